@@ -1,0 +1,185 @@
+"""``flow``: serve, check, viz, stages, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from flow.compiler import CompileError, CompiledGraph, GraphError, compile_file, compile_tables
+from flow.spec import SpecError, load_tables
+
+
+def _load_graph(path: str, *, model: str | None = None) -> CompiledGraph:
+    """Compile a graph file, with ``--model`` replacing the first model resource's path."""
+    if model is None:
+        return compile_file(path)
+    try:
+        tables = load_tables(Path(path))
+    except SpecError as exc:
+        raise CompileError([GraphError(exc.path, exc.message)], path) from None
+    models = [rid for rid, t in tables.get("resources", {}).items() if t.get("type") == "model"]
+    if not models:
+        raise CompileError([GraphError("resources", "--model was given but the graph has no model resource",
+                                       'add [resources.model] with type = "model"')], path)
+    table: dict[str, Any] = tables["resources"][models[0]]
+    old_ids = [table.get("name") or models[0], *table.get("aliases", [])]
+    table["path"] = model
+    table["name"] = Path(model.rstrip("/")).name or model
+    table["aliases"] = [i for i in old_ids if i != table["name"]]
+    return compile_tables(tables, path)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from flow import blas
+    from flow.server import FlowServer, first_error, serve
+    from runtime.models import ModelNotAvailable
+
+    graph = _load_graph(args.graph, model=args.model)
+    if args.api_key is not None:
+        graph.spec.server.api_key = args.api_key
+    host = args.host or graph.spec.server.host
+    port = args.port if args.port is not None else graph.spec.server.port
+    blas.advise()
+    server = FlowServer(graph)
+
+    async def main() -> None:
+        async def started_banner(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            await serve(server, host, port, task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(started_banner)
+            names = ", ".join(
+                m.name + (" (SMOKE-TEST MODEL: random weights, gibberish output)"
+                          if m.loaded is not None and m.loaded.smoke_test else "")
+                for m in server.models
+            )
+            print(f"flow: serving graph {graph.name!r} on {', '.join(binds)}", file=sys.stderr)
+            print(f"flow: models: {names}", file=sys.stderr)
+            for route in graph.routes:
+                print(f"flow:   {route.method} {route.path}  ({' -> '.join(route.stages)})", file=sys.stderr)
+
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        return 0
+    except BaseException as raw:  # noqa: BLE001 - turned into a message below
+        exc = first_error(raw)
+        if isinstance(exc, ModelNotAvailable):
+            print(f"flow: cannot load the model.\n{exc}", file=sys.stderr)
+            return 2
+        if isinstance(exc, OSError) and "address" in str(exc).lower():
+            print(f"flow: cannot listen on {host}:{port}: {exc}. Use --port to pick another port.", file=sys.stderr)
+            return 2
+        if isinstance(exc, KeyboardInterrupt):
+            return 0
+        raise
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    failed = False
+    for path in args.graphs:
+        try:
+            graph = compile_file(path)
+        except CompileError as exc:
+            print(exc, file=sys.stderr)
+            failed = True
+            continue
+        print(f"{path}: ok — {len(graph.stages)} stages, {len(graph.resources)} resources, "
+              f"{len(graph.routes)} routes")
+    return 1 if failed else 0
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from viz import render_dot, render_mermaid
+
+    graph = compile_file(args.graph)
+    text = render_mermaid(graph) if args.format == "mermaid" else render_dot(graph)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from flow.compiler import type_label
+    from flow.registry import resource_types, stage_types
+
+    for name, cls in stage_types().items():
+        print(f"{name}: {type_label(cls.input_type)} -> {type_label(cls.output_type)}")
+        if cls.description:
+            print(f"    {cls.description}")
+        for key, field in cls.Config.model_fields.items():
+            default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+            ref = f", names {cls.resource_fields[key]!r} resources" if key in cls.resource_fields else ""
+            print(f"    {key}: {type_label(field.annotation)} ({default}{ref})")
+    print()
+    for name, rcls in resource_types().items():
+        print(f"[resources.*] type = {name!r}: {rcls.description}")
+        for key, field in rcls.Config.model_fields.items():
+            default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+            print(f"    {key}: {type_label(field.annotation)} ({default}) {field.description or ''}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flow.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flow", description="A local inference server for MLX models.")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve a graph over HTTP")
+    p.add_argument("graph", help="graph file, e.g. graphs/default.toml")
+    p.add_argument("--model", help="local model directory or Hugging Face repo id (replaces the graph's model)")
+    p.add_argument("--host", help="address to listen on (default: the graph's, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default: the graph's, 8080)")
+    p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("check", help="compile graph files and report every error")
+    p.add_argument("graphs", nargs="+")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("viz", help="draw a graph as mermaid or DOT")
+    p.add_argument("graph")
+    p.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(func=cmd_viz)
+
+    p = sub.add_parser("stages", help="list stage and resource types with ports and config keys")
+    p.set_defaults(func=cmd_stages)
+
+    p = sub.add_parser("bench", help="single-stream benchmark: raw mlx-lm vs the server (see --help)",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("serve", "bench") and argv is None:
+        from flow.blas import reexec_with_openblas
+
+        reexec_with_openblas()
+    try:
+        return int(args.func(args))
+    except CompileError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

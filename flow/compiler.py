@@ -1,0 +1,373 @@
+"""Compile a graph spec into a frozen, checked :class:`CompiledGraph`.
+
+Theory of operation
+-------------------
+Compilation is a series of checks that each append to one error list instead of
+stopping at the first problem, so ``flow check`` shows everything wrong with a
+file in one run. Each :class:`GraphError` has the key path it is about
+(``stages.format.inputs[0]``), what was found, and what would be valid.
+
+The result holds every stage's class and validated config, every resource's
+validated config, the networkx DiGraph of the edges, and one :class:`Route` per
+``METHOD /path`` that an entry stage serves: the stages between that entry and
+its ``exit``, which are the only ones a request on that route runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+from pydantic import BaseModel, ValidationError
+
+from flow.registry import resource_types, stage_types
+from flow.spec import GraphSpec, SpecError, load_tables
+from protocols.ir import UNION_NAMES
+from flow.stage import EntryStage, ExitStage, Stage, StageConfig
+
+# Keys every stage table may have, beside its type's own config keys.
+STAGE_KEYS = ("type", "inputs", "buffer", "routes", "exit")
+DEFAULT_BUFFER = 16
+
+
+@dataclass(frozen=True)
+class GraphError:
+    path: str
+    message: str
+    hint: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" + (f"\n    hint: {self.hint}" if self.hint else "")
+
+
+class CompileError(Exception):
+    def __init__(self, errors: list[GraphError], source: str = "") -> None:
+        self.errors = errors
+        self.source = source
+        lines = [f"{len(errors)} error(s) in {source or 'graph'}:"] + [f"  {e}" for e in errors]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class CompiledStage:
+    id: str
+    type_name: str
+    cls: type[Stage[Any, Any]]
+    config: StageConfig
+    inputs: tuple[str, ...]
+    buffer: int
+    resources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CompiledResource:
+    id: str
+    type_name: str
+    cls: type[Any]
+    config: BaseModel
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    entry: str
+    exit: str
+    stages: tuple[str, ...]  # topological order
+    edges: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    name: str
+    source: str
+    spec: GraphSpec
+    stages: Mapping[str, CompiledStage]
+    resources: Mapping[str, CompiledResource]
+    routes: tuple[Route, ...]
+    graph: nx.DiGraph = field(repr=False)
+
+
+def closest(word: str, options: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _did_you_mean(word: str, options: Iterable[str]) -> str | None:
+    options = sorted(options)
+    best = closest(word, options)
+    if best:
+        return f"did you mean {best!r}?"
+    return f"valid values: {', '.join(options)}" if options else None
+
+
+def type_label(tp: Any) -> str:
+    if tp is Any:
+        return "Any"
+    if tp in UNION_NAMES:
+        return UNION_NAMES[tp]
+    args = typing.get_args(tp)
+    if _is_union(tp):
+        return " | ".join(type_label(a) for a in args)
+    return getattr(tp, "__name__", repr(tp))
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def compatible(sent: Any, accepted: Any) -> bool:
+    """The one compatibility rule: equal, subclass, union member, or ``Any`` accepted."""
+    if accepted is Any or sent == accepted:
+        return True
+    if _is_union(sent):
+        return all(compatible(member, accepted) for member in typing.get_args(sent))
+    if _is_union(accepted):
+        return any(compatible(sent, member) for member in typing.get_args(accepted))
+    return isinstance(sent, type) and isinstance(accepted, type) and issubclass(sent, accepted)
+
+
+def _pydantic_errors(path: str, exc: ValidationError, valid_keys: Iterable[str]) -> list[GraphError]:
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        where = ".".join(p for p in (path, loc) if p)
+        if err["type"] == "extra_forbidden":
+            key = str(err["loc"][-1])
+            out.append(GraphError(where, f"unknown key {key!r}", _did_you_mean(key, valid_keys)))
+        elif err["type"] == "missing":
+            out.append(GraphError(where, "required key is missing"))
+        else:
+            out.append(GraphError(where, f"{err['msg']} (found {err.get('input')!r})"))
+    return out
+
+
+def parse_route(text: str) -> tuple[str, str] | None:
+    parts = text.split()
+    if len(parts) != 2 or not parts[1].startswith("/"):
+        return None
+    method = parts[0].upper()
+    if method not in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"):
+        return None
+    return method, parts[1]
+
+
+class _Compiler:
+    def __init__(self, spec: GraphSpec, source: str) -> None:
+        self.spec = spec
+        self.source = source
+        self.errors: list[GraphError] = []
+        self.stage_types = stage_types()
+        self.resource_types = resource_types()
+        self.stages: dict[str, CompiledStage] = {}
+        self.resources: dict[str, CompiledResource] = {}
+        self.entries: dict[str, tuple[list[str], str | None]] = {}
+        # Every stage whose type is known, even if its config is wrong, so edges still get checked.
+        self.declared: dict[str, tuple[type[Stage[Any, Any]], tuple[str, ...]]] = {}
+
+    def error(self, path: str, message: str, hint: str | None = None) -> None:
+        self.errors.append(GraphError(path, message, hint))
+
+    # ---------------------------------------------------------------- resources
+    def compile_resources(self) -> None:
+        for rid, table in self.spec.resources.items():
+            path = f"resources.{rid}"
+            if "." in rid:
+                self.error(path, f"id {rid!r} contains '.'", "ids may not contain dots; use '_' or '-'")
+            rtype = table.get("type")
+            if not isinstance(rtype, str):
+                self.error(f"{path}.type", "missing resource type", f"valid types: {', '.join(self.resource_types)}")
+                continue
+            cls = self.resource_types.get(rtype)
+            if cls is None:
+                self.error(f"{path}.type", f"unknown resource type {rtype!r}", _did_you_mean(rtype, self.resource_types))
+                continue
+            body = {k: v for k, v in table.items() if k != "type"}
+            try:
+                config = cls.Config.model_validate(body)
+            except ValidationError as exc:
+                self.errors.extend(_pydantic_errors(path, exc, cls.Config.model_fields))
+                continue
+            self.resources[rid] = CompiledResource(rid, rtype, cls, config)
+
+    # ---------------------------------------------------------------- stages
+    def compile_stages(self) -> None:
+        for sid, table in self.spec.stages.items():
+            path = f"stages.{sid}"
+            if "." in sid:
+                self.error(path, f"id {sid!r} contains '.'", "a '.' separates a stage from its port; use '_' or '-'")
+            if sid in self.spec.resources:
+                self.error(path, f"duplicate id {sid!r}: a resource has the same id", "give stages and resources distinct ids")
+            stype = table.get("type")
+            if not isinstance(stype, str):
+                self.error(f"{path}.type", "missing stage type", f"known types: {', '.join(self.stage_types)}")
+                continue
+            cls = self.stage_types.get(stype)
+            if cls is None:
+                self.error(f"{path}.type", f"unknown stage type {stype!r}", _did_you_mean(stype, self.stage_types))
+                continue
+            inputs = table.get("inputs", [])
+            if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+                self.error(f"{path}.inputs", f"must be a list of stage ids (found {inputs!r})")
+                inputs = []
+            buffer = table.get("buffer", DEFAULT_BUFFER)
+            if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 0:
+                self.error(f"{path}.buffer", f"must be a non-negative integer (found {buffer!r})")
+                buffer = DEFAULT_BUFFER
+            self.declared[sid] = (cls, tuple(inputs))
+            self._check_entry_keys(sid, path, cls, table)
+            body = {k: v for k, v in table.items() if k not in STAGE_KEYS}
+            try:
+                config = cls.Config.model_validate(body)
+            except ValidationError as exc:
+                self.errors.extend(_pydantic_errors(path, exc, [*cls.Config.model_fields, *STAGE_KEYS]))
+                continue
+            bound = self._bind_resources(path, cls, config)
+            self.stages[sid] = CompiledStage(sid, stype, cls, config, tuple(inputs), buffer, bound)
+
+    def _check_entry_keys(self, sid: str, path: str, cls: type[Stage[Any, Any]], table: dict[str, Any]) -> None:
+        is_entry = issubclass(cls, EntryStage)
+        routes, exit_id = table.get("routes"), table.get("exit")
+        if not is_entry:
+            for key in ("routes", "exit"):
+                if key in table:
+                    self.error(f"{path}.{key}", f"only entry stages take {key!r} ({cls.type_name} is not one)")
+            return
+        if table.get("inputs"):
+            self.error(f"{path}.inputs", "an entry stage is fed by the HTTP server and takes no inputs")
+        if isinstance(routes, str):
+            routes = [routes]
+        if not routes or not isinstance(routes, list):
+            self.error(f"{path}.routes", "missing route for entry stage", 'write e.g. routes = ["POST /v1/chat/completions"]')
+            routes = []
+        good = []
+        for i, route in enumerate(routes):
+            if not isinstance(route, str) or parse_route(route) is None:
+                self.error(f"{path}.routes[{i}]", f"not a route: {route!r}", 'write "METHOD /path", e.g. "POST /v1/chat/completions"')
+            else:
+                good.append(route)
+        if not isinstance(exit_id, str):
+            self.error(f"{path}.exit", "missing exit: the stage whose output answers this entry's requests")
+            exit_id = None
+        self.entries[sid] = (good, exit_id)
+
+    def _bind_resources(self, path: str, cls: type[Stage[Any, Any]], config: StageConfig) -> tuple[str, ...]:
+        bound: list[str] = []
+        for fname, rtype in cls.resource_fields.items():
+            value = getattr(config, fname)
+            names = [value] if isinstance(value, str) else list(value or [])
+            if not names:  # none named: every resource of that type
+                names = [rid for rid, r in self.resources.items() if r.type_name == rtype]
+                if not names:
+                    self.error(f"{path}.{fname}", f"needs a resource of type {rtype!r} and the graph has none",
+                               f"add a [resources.NAME] table with type = {rtype!r}")
+            for i, name in enumerate(names):
+                res = self.resources.get(name)
+                where = f"{path}.{fname}" + (f"[{i}]" if not isinstance(value, str) else "")
+                if res is None and name not in self.spec.resources:
+                    self.error(where, f"no resource named {name!r}", _did_you_mean(name, self.spec.resources))
+                elif res is not None and res.type_name != rtype:
+                    self.error(where, f"resource conflict: {name!r} is a {res.type_name!r} resource, this stage needs a {rtype!r} one")
+                bound.append(name)
+        return tuple(bound)
+
+    # ---------------------------------------------------------------- edges
+    def build_graph(self) -> nx.DiGraph:
+        graph = nx.DiGraph()
+        for sid in self.declared:
+            graph.add_node(sid)
+        for sid, (cls, inputs) in self.declared.items():
+            for i, ref in enumerate(inputs):
+                path = f"stages.{sid}.inputs[{i}]"
+                src, _, port = ref.partition(".")
+                if port and port != "out":
+                    self.error(path, f"stage {src!r} has no port {port!r}", "stages have one output port, 'out'")
+                if src not in self.spec.stages:
+                    self.error(path, f"dangling input: no stage named {src!r}", _did_you_mean(src, self.spec.stages))
+                    continue
+                producer = self.declared.get(src)
+                if producer is None:
+                    continue  # its own errors were reported
+                sent, accepted = producer[0].output_type, cls.input_type
+                if not compatible(sent, accepted):
+                    self.error(path, f"type mismatch: {src!r} ({producer[0].type_name}) sends {type_label(sent)}, "
+                               f"{sid!r} ({cls.type_name}) accepts {type_label(accepted)}")
+                graph.add_edge(src, sid, item=type_label(sent))
+        for cycle in nx.simple_cycles(graph):
+            loop = " → ".join([*cycle, cycle[0]])
+            self.error(f"stages.{cycle[0]}.inputs", f"cycle: {loop}", "stages must form a directed acyclic graph")
+        return graph
+
+    def compile_routes(self, graph: nx.DiGraph) -> list[Route]:
+        routes: list[Route] = []
+        seen: dict[tuple[str, str], str] = {}
+        acyclic = nx.is_directed_acyclic_graph(graph)
+        for sid, (texts, exit_id) in self.entries.items():
+            path = f"stages.{sid}"
+            if exit_id is not None:
+                exit_stage = self.stages.get(exit_id)
+                if exit_id not in self.spec.stages:
+                    self.error(f"{path}.exit", f"no stage named {exit_id!r}", _did_you_mean(exit_id, self.spec.stages))
+                    continue
+                if exit_stage is None:
+                    continue
+                if not issubclass(exit_stage.cls, ExitStage):
+                    self.error(f"{path}.exit", f"{exit_id!r} ({exit_stage.type_name}) is not an exit stage",
+                               "name a stage that formats responses, e.g. openai.chat.format")
+                    continue
+                if not acyclic or sid not in graph or exit_id not in nx.descendants(graph, sid):
+                    self.error(f"{path}.exit", f"exit {exit_id!r} is not reachable from {sid!r} through inputs")
+                    continue
+                on_path = ({sid} | nx.descendants(graph, sid)) & ({exit_id} | nx.ancestors(graph, exit_id))
+                sub = graph.subgraph(on_path)
+                order = tuple(nx.topological_sort(sub))
+                for text in texts:
+                    method, url = parse_route(text)  # type: ignore[misc]
+                    if (method, url) in seen:
+                        self.error(f"{path}.routes", f"route {method} {url} is already served by {seen[(method, url)]!r}")
+                        continue
+                    seen[(method, url)] = sid
+                    routes.append(Route(method, url, sid, exit_id, order, tuple(sub.edges)))
+        named_exits = {exit_id for _, exit_id in self.entries.values()}
+        for sid, (cls, _) in self.declared.items():
+            if issubclass(cls, ExitStage) and sid not in named_exits:
+                self.error(f"stages.{sid}", "missing route: no entry stage names this exit stage",
+                           f'add exit = "{sid}" to an entry stage')
+        return routes
+
+    def run(self) -> CompiledGraph:
+        self.compile_resources()
+        self.compile_stages()
+        graph = self.build_graph()
+        routes = self.compile_routes(graph)
+        if self.errors:
+            raise CompileError(self.errors, self.source)
+        return CompiledGraph(self.spec.name, self.source, self.spec, types.MappingProxyType(self.stages),
+                             types.MappingProxyType(self.resources), tuple(routes), nx.freeze(graph))
+
+
+def compile_spec(spec: GraphSpec, source: str = "") -> CompiledGraph:
+    return _Compiler(spec, source).run()
+
+
+def compile_tables(tables: dict[str, Any], source: str = "") -> CompiledGraph:
+    try:
+        spec = GraphSpec.model_validate(tables)
+    except ValidationError as exc:
+        raise CompileError(_pydantic_errors("", exc, GraphSpec.model_fields), source) from None
+    return compile_spec(spec, source)
+
+
+def compile_file(path: str | Path) -> CompiledGraph:
+    """Read, merge and compile a graph file; raises :class:`CompileError` with every problem."""
+    try:
+        tables = load_tables(Path(path))
+    except SpecError as exc:
+        raise CompileError([GraphError(exc.path, exc.message)], str(path)) from None
+    return compile_tables(tables, str(path))

@@ -1,0 +1,98 @@
+"""Long-lived resources that graphs declare under ``[resources.*]``.
+
+A resource outlives requests: the ``model`` resource owns a loaded model, its
+tokenizer and its engine. Stages are handed resources by name when the server
+starts; requests only borrow them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import trio
+from pydantic import BaseModel, ConfigDict, Field
+
+from flow.registry import register_resource
+from protocols.errors import ApiError
+from runtime.device import DeviceThread
+from runtime.engine import EngineConfig
+from runtime.models import LoadedModel, load_model, resolve_model_path
+
+log = logging.getLogger("flow.resources")
+
+
+class ResourceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(ResourceConfig):
+    path: str = Field(description="local directory, Hugging Face repo id, or tiny:PRESET")
+    name: str | None = Field(default=None, description="the model id clients use (default: the resource id)")
+    aliases: list[str] = Field(default_factory=list, description="other ids that select this model")
+    max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
+    prefill_chunk: int = Field(default=512, ge=16, description="prompt tokens prefilled per engine step")
+    default_max_tokens: int = Field(default=2048, ge=1, description="max_tokens when a request gives none")
+
+
+@register_resource
+class ModelResource:
+    type_name: ClassVar[str] = "model"
+    Config: ClassVar[type[ResourceConfig]] = ModelConfig
+    description: ClassVar[str] = "an MLX language model with its tokenizer and generation engine"
+
+    def __init__(self, resource_id: str, config: ModelConfig) -> None:
+        self.id = resource_id
+        self.config = config
+        self.name = config.name or resource_id
+        self.loaded: LoadedModel | None = None
+
+    @property
+    def ids(self) -> list[str]:
+        return [self.name, *self.config.aliases]
+
+    async def start(self, device: DeviceThread) -> None:
+        path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
+        engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk)
+        started = time.perf_counter()
+        self.loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config)
+        log.info("model %s ready (%.1f s)%s", self.name, time.perf_counter() - started,
+                 " — SMOKE-TEST MODEL: random weights, output is gibberish" if self.loaded.smoke_test else "")
+
+    def close(self) -> None:
+        if self.loaded is not None:
+            self.loaded.engine.close()
+
+    def require(self) -> LoadedModel:
+        if self.loaded is None:
+            raise ApiError("overloaded", f"Model {self.name!r} is still loading; retry shortly.", retry_after=2)
+        return self.loaded
+
+
+class ModelSet:
+    """The models a stage serves, looked up by the id or alias a request names."""
+
+    def __init__(self, models: Iterable[ModelResource]) -> None:
+        self._by_id: dict[str, ModelResource] = {}
+        for model in models:
+            for model_id in model.ids:
+                self._by_id.setdefault(model_id, model)
+
+    @classmethod
+    def from_resources(cls, resources: Mapping[str, Any]) -> ModelSet:
+        return cls(r for r in resources.values() if isinstance(r, ModelResource))
+
+    def lookup(self, model_id: str) -> ModelResource:
+        found = self._by_id.get(model_id)
+        if found is None:
+            raise ApiError(
+                "not_found",
+                f"The model {model_id!r} does not exist on this server. Available models: "
+                f"{', '.join(sorted(self._by_id)) or '(none)'}.",
+                param="model",
+                code="model_not_found",
+            )
+        return found

@@ -1,0 +1,285 @@
+"""The thin HTTP shell: quart-trio on hypercorn, routes built from a compiled graph.
+
+Theory of operation
+-------------------
+:class:`FlowServer` instantiates a compiled graph: resources (models load on
+the device thread), one instance per stage, one :class:`RouteRunner` per route.
+Each route becomes a Quart view that turns the HTTP request into an
+:class:`HttpRequest` item and starts the request's run in the app's nursery
+under its own cancel scope. The view waits for the first :class:`WireFrame`:
+its status and headers become the response head; a streaming frame makes the
+rest of the run the response body.
+
+Whatever ends the response early — the client disconnecting (quart-trio then
+cancels the view or the body iterator) or the body finishing — cancels the
+run's scope, and with it every stage task and the engine sequence.
+
+Errors become the route's protocol shape: before the first frame, the exit
+stage's ``error_response``; after it, the exit stage's ``error_frames`` end
+the stream. Nothing reaches a client as a traceback, and the server stays up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from flow.compiler import CompiledGraph, Route
+from flow.resources import ModelResource
+from flow.runner import RouteRunner
+from flow.stage import ExitStage, Outbox, Stage
+from protocols.errors import ApiError
+from protocols.ir import HttpRequest, WireFrame
+from protocols.openai_chat import error_body as openai_error_body
+from protocols.sse import dumps
+from runtime.device import DeviceThread, shared_device
+
+log = logging.getLogger("flow.server")
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The most telling error inside (possibly nested) exception groups: an ApiError if any."""
+    if isinstance(exc, BaseExceptionGroup):
+        found = [first_error(e) for e in exc.exceptions]
+        for candidate in found:
+            if isinstance(candidate, ApiError):
+                return candidate
+        return found[0]
+    return exc
+
+
+class FlowServer:
+    """A compiled graph made live: resources, stage instances and routes."""
+
+    def __init__(self, graph: CompiledGraph, device: DeviceThread | None = None) -> None:
+        self.graph = graph
+        self.device = device or shared_device()
+        self.resources: dict[str, Any] = {
+            rid: res.cls(rid, res.config) for rid, res in graph.resources.items()
+        }
+        self.stages: dict[str, Stage[Any, Any]] = {
+            sid: st.cls(sid, st.config, {name: self.resources[name] for name in st.resources})
+            for sid, st in graph.stages.items()
+        }
+        self.runners = {(r.method, r.path): RouteRunner(graph, r, self.stages) for r in graph.routes}
+        self.started_at = time.time()
+        self.requests_total = 0
+        self.requests_failed = 0
+        self.requests_active = 0
+
+    @property
+    def models(self) -> list[ModelResource]:
+        return [r for r in self.resources.values() if isinstance(r, ModelResource)]
+
+    async def start(self) -> None:
+        """Load every resource (models on the device thread), concurrently."""
+        self.device.start()
+        async with trio.open_nursery() as nursery:
+            for resource in self.resources.values():
+                nursery.start_soon(resource.start, self.device)
+
+    def close(self) -> None:
+        for resource in self.resources.values():
+            resource.close()
+
+    # ------------------------------------------------------------------ one request
+    async def run_request(self, runner: RouteRunner, http: HttpRequest,
+                          send: trio.MemorySendChannel[WireFrame], scope: trio.CancelScope) -> None:
+        exit_cls: type[ExitStage[Any, Any]] = self.graph.stages[runner.route.exit].cls  # type: ignore[assignment]
+        self.requests_total += 1
+        self.requests_active += 1
+        outbox: Outbox[WireFrame] = Outbox([send.clone()])
+        try:
+            with scope:
+                async with send:
+                    try:
+                        await runner.run(http, outbox)
+                    except BaseException as raw:
+                        exc = first_error(raw)
+                        if isinstance(exc, trio.Cancelled) or not isinstance(exc, Exception):
+                            raise
+                        error = exc if isinstance(exc, ApiError) else None
+                        if error is None:
+                            log.exception("request %s failed", http.request_id, exc_info=exc)
+                            error = ApiError("internal", f"Internal error while generating: {type(exc).__name__}: {exc}")
+                        if error.status >= 500:
+                            self.requests_failed += 1
+                        frames = exit_cls.error_frames(error) if outbox.sent else [exit_cls.error_response(error)]
+                        for frame in frames:
+                            await send.send(frame)
+        finally:
+            self.requests_active -= 1
+
+    async def respond(self, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery) -> Response:
+        send, receive = trio.open_memory_channel[WireFrame](64)
+        scope = trio.CancelScope()
+        nursery.start_soon(self.run_request, runner, http, send, scope)
+        try:
+            first = await receive.receive()
+        except BaseException:
+            scope.cancel()
+            raise
+        if not first.streaming:
+            receive.close()
+            return Response(first.data, status=first.status, headers=list(first.headers))
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield first.data
+                async for frame in receive:
+                    yield frame.data
+            finally:
+                scope.cancel()  # the client left, or the stream is over
+                receive.close()
+
+        response = Response(body(), status=first.status, headers=list(first.headers))
+        response.timeout = None
+        return response
+
+    # ------------------------------------------------------------------ info endpoints
+    def models_json(self) -> dict[str, Any]:
+        data = []
+        for model in self.models:
+            for model_id in model.ids:
+                entry: dict[str, Any] = {"id": model_id, "object": "model", "created": int(self.started_at),
+                                         "owned_by": "flow"}
+                if model_id != model.name:
+                    entry["alias_of"] = model.name
+                if model.loaded is not None and model.loaded.smoke_test:
+                    entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
+                data.append(entry)
+        return {"object": "list", "data": data}
+
+    def health_json(self) -> dict[str, Any]:
+        ready = all(m.loaded is not None for m in self.models)
+        return {
+            "status": "ok" if ready else "loading",
+            "graph": self.graph.name,
+            "uptime_seconds": round(time.time() - self.started_at, 1),
+            "requests": {"total": self.requests_total, "active": self.requests_active,
+                         "failed": self.requests_failed},
+            "models": [self._model_health(m) for m in self.models],
+        }
+
+    @staticmethod
+    def _model_health(model: ModelResource) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None}
+        if model.loaded is not None:
+            engine = model.loaded.engine
+            s = engine.stats
+            out.update(
+                path=str(model.loaded.path), smoke_test=model.loaded.smoke_test,
+                context_length=model.loaded.context_length,
+                engine={"active": engine.active, "waiting": engine.waiting, "submitted": s.submitted,
+                        "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed,
+                        "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
+                        "steps": s.steps,
+                        "decode_tokens_per_second": round(s.generated_tokens / s.decode_seconds, 1)
+                        if s.decode_seconds else 0.0},
+            )
+        return out
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status=status, content_type="application/json")
+
+
+def create_app(server: FlowServer) -> QuartTrio:
+    app = QuartTrio("flow")
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=120, MAX_CONTENT_LENGTH=server.graph.spec.server.max_body_bytes)
+    api_key = server.graph.spec.server.api_key
+
+    def route_view(runner: RouteRunner) -> Callable[[], Awaitable[Response]]:
+        exit_cls: type[ExitStage[Any, Any]] = server.graph.stages[runner.route.exit].cls  # type: ignore[assignment]
+
+        async def view() -> Response:
+            if api_key is not None and not _key_ok(api_key):
+                frame = exit_cls.error_response(ApiError("authentication", "Invalid or missing API key."))
+                return Response(frame.data, status=frame.status, headers=list(frame.headers))
+            http = HttpRequest(
+                method=request.method, path=request.path, query=request.query_string.decode("latin-1"),
+                headers=tuple(request.headers.items()), body=await request.get_data(cache=False),
+                request_id=uuid.uuid4().hex[:24],
+            )
+            return await server.respond(runner, http, app.nursery)
+
+        view.__name__ = f"route_{runner.route.entry}_{runner.route.method}"
+        return view
+
+    for (method, path), runner in server.runners.items():
+        app.add_url_rule(path, endpoint=f"{runner.route.entry}:{method}:{path}", view_func=route_view(runner),
+                         methods=[method])
+
+    @app.route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return _json({"name": "flow", "graph": server.graph.name, "status": "ok"})
+
+    @app.route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        body = server.health_json()
+        return _json(body, 200 if body["status"] == "ok" else 503)
+
+    @app.route("/v1/models", methods=["GET"])
+    async def models() -> Response:
+        return _json(server.models_json())
+
+    @app.route("/v1/models/<path:model_id>", methods=["GET"])
+    async def model(model_id: str) -> Response:
+        for entry in server.models_json()["data"]:
+            if entry["id"] == model_id:
+                return _json(entry)
+        error = ApiError("not_found", f"The model {model_id!r} does not exist on this server.", param="model",
+                         code="model_not_found")
+        return Response(openai_error_body(error), status=404, content_type="application/json")
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        kind = kinds.get(exc.code or 500, "invalid_request" if (exc.code or 500) < 500 else "internal")
+        message = {
+            404: f"No route {request.method} {request.path}. Routes: "
+                 + ", ".join(f"{m} {p}" for m, p in sorted(server.runners)) + ", GET /v1/models, GET /health.",
+            405: f"{request.method} is not allowed on {request.path}.",
+            413: f"The request body is larger than {server.graph.spec.server.max_body_bytes} bytes.",
+        }.get(exc.code or 500, exc.description or "error")
+        error = ApiError(kind, message)  # type: ignore[arg-type]
+        return Response(openai_error_body(error), status=exc.code or 500, content_type="application/json")
+
+    @app.after_serving
+    async def _close() -> None:
+        server.close()
+
+    return app
+
+
+def _key_ok(expected: str) -> bool:
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        given = given or auth[7:].strip()
+    return given == expected
+
+
+async def serve(server: FlowServer, host: str, port: int, *,
+                shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+                task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Load the graph's resources, then serve HTTP until ``shutdown_trigger`` returns."""
+    await server.start()
+    app = create_app(server)
+    config = HypercornConfig()
+    config.bind = [f"{host}:{port}"]
+    config.worker_class = "trio"
+    config.keep_alive_timeout = 75
+    config.graceful_timeout = 5
+    config.accesslog = None
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)  # type: ignore[arg-type]

@@ -1,0 +1,94 @@
+"""Graph files as written: TOML → merged tables → :class:`GraphSpec`.
+
+A graph file may name parents with ``extends = "other.toml"`` (or a list, paths
+relative to the file). Parents are merged first, in order; the child's tables
+are merged over them key by key, so a variant only writes what differs — a new
+model path, one more stage, a different batch size. ``drop = ["id", …]``
+removes inherited stages or resources.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class SpecError(Exception):
+    """The graph files could not be read or merged; ``path`` says where."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+class ServerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    api_key: str | None = None
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+
+
+class GraphSpec(BaseModel):
+    """The whole graph as written. Stage and resource tables stay raw dicts here:
+    their keys depend on their ``type`` and are checked by the compiler."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = "graph"
+    description: str = ""
+    server: ServerSpec = ServerSpec()
+    resources: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    stages: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_tables(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a graph file with its ``extends`` chain resolved and ``drop`` applied."""
+    path = path.resolve()
+    if path in _seen:
+        chain = " → ".join(p.name for p in (*_seen, path))
+        raise SpecError(str(path), f"extends forms a loop: {chain}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), "file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(str(path), f"invalid TOML: {exc}") from None
+    parents = data.pop("extends", [])
+    if isinstance(parents, str):
+        parents = [parents]
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise SpecError(f"{path}: extends", "must be a file path or a list of file paths")
+    merged: dict[str, Any] = {}
+    for parent in parents:
+        merged = _merge(merged, load_tables(path.parent / parent, (*_seen, path)))
+    drops = data.pop("drop", [])
+    if not isinstance(drops, list) or not all(isinstance(d, str) for d in drops):
+        raise SpecError(f"{path}: drop", "must be a list of stage or resource ids")
+    for dropped in drops:
+        found = False
+        for table in ("stages", "resources"):
+            if dropped in merged.get(table, {}):
+                del merged[table][dropped]
+                found = True
+        if not found:
+            raise SpecError(f"{path}: drop", f"nothing named {dropped!r} is inherited")
+    return _merge(merged, data)

@@ -1,0 +1,82 @@
+"""The stage contract: declared ports, a config model, and a per-request ``run``.
+
+A stage class declares, as class attributes, everything the compiler needs
+without instantiating it: its registry ``type_name``, the item type its input
+accepts, the item type its output produces, its ``Config`` model (pydantic,
+unknown keys forbidden), and which config fields name resources.
+
+One instance is built per stage in a graph when the server starts (config
+validated, resources bound). ``run`` is then called once per request on that
+request's path, in its own task, and must keep per-request state in locals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import trio
+from pydantic import BaseModel, ConfigDict
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class StageConfig(BaseModel):
+    """Base for stage config models: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Outbox(Generic[Out]):
+    """A stage's output: every on-path consumer gets every item (usually there is one)."""
+
+    def __init__(self, channels: Sequence[trio.MemorySendChannel[Any]]) -> None:
+        self._channels = list(channels)
+        self.sent = 0
+
+    async def send(self, item: Out) -> None:
+        self.sent += 1
+        for channel in self._channels:
+            await channel.send(item)
+
+    def close(self) -> None:
+        # Synchronous on purpose: it must complete even inside a cancelled scope.
+        for channel in self._channels:
+            channel.close()
+
+
+class Stage(Generic[In, Out]):
+    type_name: ClassVar[str]
+    input_type: ClassVar[Any]
+    output_type: ClassVar[Any]
+    Config: ClassVar[type[StageConfig]] = StageConfig
+    # Config fields whose values name resources, with the resource type they must have.
+    resource_fields: ClassVar[Mapping[str, str]] = {}
+    description: ClassVar[str] = ""
+
+    def __init__(self, stage_id: str, config: StageConfig, resources: Mapping[str, Any]) -> None:
+        self.id = stage_id
+        self.config = config
+        self.resources = resources
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[Out]) -> None:
+        raise NotImplementedError
+
+
+class EntryStage(Stage[In, Out]):
+    """A stage fed by the HTTP shell; its graph table carries ``routes`` and ``exit``."""
+
+
+class ExitStage(Stage[In, Out]):
+    """A stage whose output goes to the client; it renders errors in its protocol's shape."""
+
+    @classmethod
+    def error_response(cls, error: Any) -> Any:
+        """The whole response for an error raised before anything was sent (a WireFrame)."""
+        raise NotImplementedError
+
+    @classmethod
+    def error_frames(cls, error: Any) -> list[Any]:
+        """Frames that end a stream that failed after it began (WireFrames)."""
+        raise NotImplementedError

@@ -1,0 +1,59 @@
+"""One error type for every protocol.
+
+Stages raise :class:`ApiError` with a protocol-neutral ``kind``; each protocol's
+encoder maps the kind to its own wire shape and status code. The HTTP status is
+decided here, once, so that all protocols agree on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ErrorKind = Literal[
+    "invalid_request",
+    "context_length_exceeded",
+    "authentication",
+    "permission",
+    "not_found",
+    "method_not_allowed",
+    "request_too_large",
+    "rate_limit",
+    "overloaded",
+    "internal",
+]
+
+STATUS: dict[ErrorKind, int] = {
+    "invalid_request": 400,
+    "context_length_exceeded": 400,
+    "authentication": 401,
+    "permission": 403,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "request_too_large": 413,
+    "rate_limit": 429,
+    "overloaded": 503,
+    "internal": 500,
+}
+
+
+@dataclass
+class ApiError(Exception):
+    """An error meant for the client, in protocol-neutral terms."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    @property
+    def status(self) -> int:
+        return STATUS[self.kind]
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind in ("rate_limit", "overloaded", "internal")

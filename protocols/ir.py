@@ -1,0 +1,269 @@
+"""The closed set of items that travel on graph edges.
+
+Theory of operation
+-------------------
+A request enters as an :class:`HttpRequest`, an entry stage decodes it into a
+protocol-neutral :class:`ChatRequest`, ``chat.prepare`` turns that into a
+:class:`PreparedPrompt` (token ids), ``generate`` streams :class:`TokenChunk`
+items (several tokens each: one per engine step), ``chat.process`` turns tokens
+into :class:`StreamEvent` items, and an exit stage encodes those as
+:class:`WireFrame` items that the HTTP shell writes out.
+
+Streams that need context carry it in a *header* item that comes first:
+``generate`` sends :class:`GenerationStarted` before its chunks, and
+``chat.process`` sends :class:`ResponseStarted` before its deltas. Every later
+stage therefore sees everything it needs on its one input, and nothing hides in
+shared per-request state.
+
+All items are frozen dataclasses: cheap to build on the per-token path and safe
+to hand between tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """What the HTTP shell hands an entry stage."""
+
+    method: str
+    path: str
+    query: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    request_id: str
+
+    def header(self, name: str) -> str | None:
+        lowered = name.lower()
+        for key, value in self.headers:
+            if key.lower() == lowered:
+                return value
+        return None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling; the defaults are greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message, already in the shape chat templates expect."""
+
+    role: Role
+    content: str
+    name: str | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def to_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            out["name"] = self.name
+        out.update(dict(self.extra))
+        return out
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A protocol-neutral chat request."""
+
+    model: str
+    messages: tuple[Message, ...]
+    max_tokens: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    tools: tuple[dict[str, Any], ...] = ()
+    chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    request_id: str = ""
+    created: int = 0
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A templated, tokenized prompt ready for the engine."""
+
+    request: ChatRequest
+    model: str  # the served model's canonical id (the request may have named an alias)
+    token_ids: tuple[int, ...]
+    stop_token_ids: frozenset[int]
+    max_tokens: int
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationStarted:
+    """Header of a generation stream: the engine accepted the prompt."""
+
+    prompt: PreparedPrompt
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """The tokens one engine step produced for one sequence.
+
+    ``finish_reason`` is set on the last chunk of a sequence: ``"stop"`` when a
+    stop token was sampled (that token is *not* in ``token_ids``), ``"length"``
+    when ``max_tokens`` was reached.
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+
+
+Generation = Union[GenerationStarted, TokenChunk]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    """Header of an event stream: everything a format stage needs up front."""
+
+    request: ChatRequest
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One complete tool call, arguments as a JSON object string."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A fragment of tool call ``index``; ``id``/``name`` come on its first fragment."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class ResponseFinished:
+    finish_reason: FinishReason
+    usage: Usage
+    # Which stop string ended the text, if any (Anthropic reports it).
+    stop_sequence: str | None = None
+
+
+StreamEvent = Union[ResponseStarted, TextDelta, ReasoningDelta, ToolCallDelta, ResponseFinished]
+
+# Names for the union item types, for error messages and drawings.
+UNION_NAMES: dict[Any, str] = {Generation: "Generation", StreamEvent: "StreamEvent"}
+
+
+@dataclass(frozen=True)
+class FinalResult:
+    """A whole response, folded from a stream of events."""
+
+    request: ChatRequest
+    text: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    stop_sequence: str | None = None
+
+
+@dataclass(frozen=True)
+class WireFrame:
+    """Bytes for the client. The first frame of a response carries its head."""
+
+    data: bytes
+    status: int = 200
+    headers: tuple[tuple[str, str], ...] = ()
+    streaming: bool = False
+
+
+@dataclass
+class ResultBuilder:
+    """Folds a stream of events into a :class:`FinalResult` (non-streaming responses)."""
+
+    started: ResponseStarted | None = None
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, list[str]] = field(default_factory=dict)
+    call_heads: dict[int, tuple[str, str]] = field(default_factory=dict)
+    finished: ResponseFinished | None = None
+
+    def add(self, event: StreamEvent) -> None:
+        if isinstance(event, ResponseStarted):
+            self.started = event
+        elif isinstance(event, TextDelta):
+            self.text.append(event.text)
+        elif isinstance(event, ReasoningDelta):
+            self.reasoning.append(event.text)
+        elif isinstance(event, ToolCallDelta):
+            if event.id is not None and event.name is not None:
+                self.call_heads[event.index] = (event.id, event.name)
+            self.calls.setdefault(event.index, []).append(event.arguments)
+        elif isinstance(event, ResponseFinished):
+            self.finished = event
+
+    def result(self) -> FinalResult:
+        if self.started is None or self.finished is None:
+            raise ValueError("event stream ended without its header or its finish event")
+        calls = tuple(
+            ToolCall(id=self.call_heads[i][0], name=self.call_heads[i][1], arguments="".join(parts))
+            for i, parts in sorted(self.calls.items())
+        )
+        return FinalResult(
+            request=self.started.request,
+            text="".join(self.text),
+            reasoning="".join(self.reasoning),
+            tool_calls=calls,
+            finish_reason=self.finished.finish_reason,
+            usage=self.finished.usage,
+            stop_sequence=self.finished.stop_sequence,
+        )
+

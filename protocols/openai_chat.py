@@ -1,0 +1,362 @@
+"""OpenAI Chat Completions: request schema, decoding to IR, and wire encoding.
+
+Decoding validates the body with pydantic (unknown fields are tolerated, as the
+real API's clients send many) and produces a :class:`ChatRequest`. Encoding is a
+small state machine, :class:`ChatStreamEncoder`, fed the protocol-neutral
+stream events; it guarantees the facts clients depend on: one ``id`` for the
+whole stream, ``role`` only in the first delta, tool-call indices contiguous,
+the usage chunk with empty ``choices`` before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from protocols.errors import ApiError
+from protocols.ir import (
+    ChatRequest,
+    FinalResult,
+    Message,
+    ReasoningDelta,
+    ResponseFinished,
+    ResponseStarted,
+    SamplingParams,
+    StreamEvent,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+from protocols.sse import DONE, data_frame, dumps
+from protocols.validation import parse_json_body
+
+# --------------------------------------------------------------------------- request
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url", "input_image", "image"]
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Lenient):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageIn(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionBody(_Lenient):
+    model: str = Field(min_length=1)
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1)
+    user: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias for token {key} must be between -100 and 100")
+        return value
+
+
+def _content_text(content: str | list[Any] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for i, part in enumerate(content):
+        if isinstance(part, ImagePart):
+            raise ApiError(
+                "invalid_request",
+                f"'{where}.content[{i}]' is an image; this server's text models accept only "
+                "'text' content parts.",
+                param=f"{where}.content[{i}]",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _arguments_dict(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
+    # Chat templates index into arguments, so JSON strings become dicts before templating.
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        raise ApiError(
+            "invalid_request", f"'{where}' must be a JSON object string.", param=where
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ApiError("invalid_request", f"'{where}' must encode a JSON object.", param=where)
+    return parsed
+
+
+def _message(msg: ChatMessageIn, index: int) -> Message:
+    where = f"messages[{index}]"
+    role = "tool" if msg.role == "function" else msg.role
+    extra: list[tuple[str, Any]] = []
+    if msg.tool_calls:
+        calls = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments_dict(
+                        call.function.arguments, f"{where}.tool_calls[{j}].function.arguments"
+                    ),
+                },
+            }
+            for j, call in enumerate(msg.tool_calls)
+        ]
+        extra.append(("tool_calls", calls))
+    if msg.tool_call_id is not None:
+        extra.append(("tool_call_id", msg.tool_call_id))
+    if msg.reasoning_content:
+        extra.append(("reasoning_content", msg.reasoning_content))
+    return Message(
+        role=role, content=_content_text(msg.content, where), name=msg.name, extra=tuple(extra)
+    )
+
+
+def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatRequest:
+    """Validate an OpenAI chat body and map it to the protocol-neutral request."""
+    parsed = parse_json_body(ChatCompletionBody, body)
+    if parsed.n != 1:
+        raise ApiError(
+            "invalid_request", f"'n' must be 1 (got {parsed.n}); ask for several completions "
+            "as separate requests.", param="n",
+        )
+    stops = [parsed.stop] if isinstance(parsed.stop, str) else list(parsed.stop or [])
+    sampling = SamplingParams(
+        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_k=parsed.top_k or 0,
+        min_p=parsed.min_p or 0.0,
+        repetition_penalty=parsed.repetition_penalty,
+        presence_penalty=parsed.presence_penalty,
+        frequency_penalty=parsed.frequency_penalty,
+        seed=parsed.seed,
+        logit_bias=tuple((int(k), v) for k, v in (parsed.logit_bias or {}).items()),
+    )
+    return ChatRequest(
+        model=parsed.model,
+        messages=tuple(_message(m, i) for i, m in enumerate(parsed.messages)),
+        max_tokens=parsed.max_completion_tokens or parsed.max_tokens,
+        sampling=sampling,
+        stop=tuple(stops),
+        stream=parsed.stream,
+        include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+        tools=tuple(parsed.tools or ()),
+        chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),
+        request_id=request_id,
+        created=created,
+        user=parsed.user,
+    )
+
+
+# --------------------------------------------------------------------------- response
+
+
+def completion_id(request: ChatRequest) -> str:
+    return f"chatcmpl-{request.request_id}"
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _tool_calls_json(result: FinalResult) -> list[dict[str, Any]]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in result.tool_calls
+    ]
+
+
+def encode_completion(result: FinalResult) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` object."""
+    request = result.request
+    message: dict[str, Any] = {"role": "assistant", "content": result.text or None}
+    if not result.tool_calls and message["content"] is None:
+        message["content"] = ""
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
+        message["reasoning"] = result.reasoning
+    if result.tool_calls:
+        message["tool_calls"] = _tool_calls_json(result)
+    return {
+        "id": completion_id(request),
+        "object": "chat.completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+        ],
+        "usage": usage_json(result.usage),
+        "system_fingerprint": None,
+    }
+
+
+class ChatStreamEncoder:
+    """Encodes stream events as ``chat.completion.chunk`` SSE frames."""
+
+    def __init__(self, started: ResponseStarted) -> None:
+        self.request = started.request
+        self._sent_role = False
+        self._usage_field = {"usage": None} if self.request.include_usage else {}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        if not self._sent_role:
+            delta = {"role": "assistant", **delta}
+            self._sent_role = True
+        return data_frame(
+            {
+                "id": completion_id(self.request),
+                "object": "chat.completion.chunk",
+                "created": self.request.created,
+                "model": self.request.model,
+                "system_fingerprint": None,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                ],
+                **self._usage_field,
+            }
+        )
+
+    def start(self) -> list[bytes]:
+        return [self._chunk({"content": ""})]
+
+    def encode(self, event: StreamEvent) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            return [self._chunk({"content": event.text})] if event.text else []
+        if isinstance(event, ReasoningDelta):
+            text = event.text
+            return [self._chunk({"reasoning_content": text, "reasoning": text})] if text else []
+        if isinstance(event, ToolCallDelta):
+            call: dict[str, Any] = {"index": event.index}
+            function: dict[str, Any] = {"arguments": event.arguments}
+            if event.id is not None:
+                call.update(id=event.id, type="function")
+            if event.name is not None:
+                function = {"name": event.name, **function}
+            call["function"] = function
+            return [self._chunk({"tool_calls": [call]})]
+        if isinstance(event, ResponseFinished):
+            frames = [self._chunk({}, finish_reason=event.finish_reason)]
+            if self.request.include_usage:
+                frames.append(
+                    data_frame(
+                        {
+                            "id": completion_id(self.request),
+                            "object": "chat.completion.chunk",
+                            "created": self.request.created,
+                            "model": self.request.model,
+                            "system_fingerprint": None,
+                            "choices": [],
+                            "usage": usage_json(event.usage),
+                        }
+                    )
+                )
+            frames.append(DONE)
+            return frames
+        return []
+
+
+# --------------------------------------------------------------------------- errors
+
+_ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length_exceeded": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "method_not_allowed": "invalid_request_error",
+    "request_too_large": "invalid_request_error",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "server_overloaded",
+    "internal": "server_error",
+}
+
+
+def error_json(error: ApiError) -> dict[str, Any]:
+    code = error.code
+    if code is None and error.kind == "context_length_exceeded":
+        code = "context_length_exceeded"
+    return {
+        "error": {
+            "message": error.message,
+            "type": _ERROR_TYPES[error.kind],
+            "param": error.param,
+            "code": code,
+        }
+    }
+
+
+def error_body(error: ApiError) -> bytes:
+    return dumps(error_json(error))
+
+
+def error_frames(error: ApiError) -> list[bytes]:
+    """An error after streaming began: an ``error`` chunk (the SDK raises on it), then ``[DONE]``."""
+    return [data_frame(error_json(error)), DONE]

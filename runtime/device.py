@@ -1,0 +1,174 @@
+"""The device thread: the one thread in the process that touches MLX.
+
+Theory of operation
+-------------------
+MLX streams are thread-local, so loading, prefill and decode must all happen on
+one thread. :class:`DeviceThread` runs a loop that alternates between two kinds
+of work:
+
+* **jobs**: one-off callables (load a model, run a reference generation, read
+  cache sizes) submitted from any thread with :meth:`DeviceThread.submit`, each
+  answered through a :class:`concurrent.futures.Future`;
+* **steppers**: long-lived objects (one engine per loaded model) whose
+  ``step()`` advances every active sequence by one scheduler step.
+
+When no stepper has work the loop blocks on the job queue, so an idle server
+uses no CPU. Steppers wake the loop with :meth:`DeviceThread.wake` when a
+sequence is submitted from trio.
+
+Trio code waits for a job with :func:`wait_future`, which crosses back into trio
+through the run's :class:`trio.lowlevel.TrioToken` — never by polling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import trio
+
+log = logging.getLogger("flow.device")
+
+T = TypeVar("T")
+
+
+class Stepper(Protocol):
+    """Something the device loop advances while it has work."""
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> None: ...
+
+
+_WAKE = object()
+
+
+class DeviceThread:
+    """Owns all MLX work for the process."""
+
+    def __init__(self, name: str = "flow-device") -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._steppers: list[Stepper] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._started = False
+        self.stream: Any = None  # the MLX stream, created on the device thread itself
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._jobs.put(_WAKE)
+        if self._started:
+            self._thread.join(timeout)
+
+    @property
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on the device thread; thread-safe."""
+        self.start()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fn, future))
+        return future
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the device thread and wait for it from trio."""
+        return await wait_future(self.submit(fn))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the device thread and block this (non-trio) thread for it."""
+        if self.is_current:
+            return fn()
+        return self.submit(fn).result()
+
+    def add_stepper(self, stepper: Stepper) -> None:
+        with self._lock:
+            self._steppers.append(stepper)
+        self.wake()
+
+    def remove_stepper(self, stepper: Stepper) -> None:
+        with self._lock:
+            if stepper in self._steppers:
+                self._steppers.remove(stepper)
+
+    def wake(self) -> None:
+        """Make a blocked loop look at its steppers again."""
+        self.start()
+        self._jobs.put(_WAKE)
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        import mlx.core as mx
+
+        self.stream = mx.new_stream(mx.default_device())
+        with mx.stream(self.stream):
+            while not self._stop.is_set():
+                with self._lock:
+                    busy = [s for s in self._steppers if s.has_work()]
+                self._run_jobs(block=not busy)
+                for stepper in busy:
+                    try:
+                        stepper.step()
+                    except Exception:  # a stepper must fail its own sequences, not the thread
+                        log.exception("device step failed")
+
+    def _run_jobs(self, block: bool) -> None:
+        try:
+            item = self._jobs.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            if item is not _WAKE:
+                fn, future = item
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:  # delivered to the waiter, never lost
+                        future.set_exception(exc)
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+
+async def wait_future(future: concurrent.futures.Future[T]) -> T:
+    """Wait in trio for a future completed by another thread."""
+    if not future.done():
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+
+        def _notify(_: concurrent.futures.Future[T]) -> None:
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        future.add_done_callback(_notify)
+        await done.wait()
+    return future.result()
+
+
+_shared: DeviceThread | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_device() -> DeviceThread:
+    """The process's device thread (there is exactly one)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = DeviceThread()
+        return _shared

@@ -1,0 +1,132 @@
+"""Finding model weights and loading them on the device thread.
+
+A model reference is one of:
+
+* a local directory (``./models/my-model``, ``/abs/path``, ``~/models/x``);
+* ``tiny:PRESET``: a random-weight smoke-test model built locally on first use
+  (see :mod:`runtime.tiny`);
+* a Hugging Face Hub repository id (``mlx-community/Qwen3-0.6B-4bit``): the
+  local hub cache is tried first, then a download with a progress bar.
+
+Anything that cannot be found raises :class:`ModelNotAvailable` with a message
+that tells the user what to do instead — never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.device import DeviceThread
+from runtime.engine import Engine, EngineConfig
+
+log = logging.getLogger("flow.models")
+
+# What mlx-lm needs from a repository; skips other formats (gguf, pytorch bins, onnx).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+class ModelNotAvailable(Exception):
+    """The model cannot be found or fetched; the message says what to do."""
+
+
+def _advice(ref: str) -> str:
+    return (
+        f"Point flow at a local MLX model directory instead, e.g. "
+        f"`flow serve graphs/default.toml --model /path/to/model`, or download it on a machine "
+        f"with network (`huggingface-cli download {ref}`) and copy the hub cache. To see the "
+        f"server work without any download, run the smoke-test graph: `flow serve graphs/demo.toml`."
+    )
+
+
+def resolve_model_path(ref: str, *, offline: bool | None = None) -> Path:
+    """Turn a model reference into a local directory, downloading if needed and allowed."""
+    if ref.startswith("tiny:"):
+        from runtime.tiny import PRESETS, ensure_tiny_model
+
+        preset = ref.removeprefix("tiny:")
+        if preset not in PRESETS:
+            raise ModelNotAvailable(
+                f"Unknown smoke-test model preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}."
+            )
+        return ensure_tiny_model(preset)
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelNotAvailable(f"{local} is a directory but has no config.json; it is not an MLX model.")
+        return local.resolve()
+    if ref.startswith((".", "/", "~")) or ref.count("/") != 1:
+        raise ModelNotAvailable(
+            f"Model {ref!r} is neither an existing directory nor a Hugging Face repository id "
+            f"(owner/name). " + _advice(ref)
+        )
+    return _from_hub(ref, offline=offline)
+
+
+def _from_hub(repo: str, *, offline: bool | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        pass
+    if offline if offline is not None else os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelNotAvailable(f"Model {repo!r} is not in the local Hugging Face cache and downloads are off. " + _advice(repo))
+    log.info("downloading %s from the Hugging Face Hub …", repo)
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS))
+    except Exception as exc:  # network errors come in many types; all mean the same here
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelNotAvailable(
+            f"Could not download {repo!r} from the Hugging Face Hub ({type(exc).__name__}: {reason[:200]}) "
+            f"and it is not in the local cache. " + _advice(repo)
+        ) from None
+
+
+@dataclass
+class LoadedModel:
+    """A model with its tokenizer and engine, living on the device thread."""
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    engine: Engine
+    config: dict[str, Any]
+    load_seconds: float
+
+    @property
+    def context_length(self) -> int:
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+            value = self.config.get(key) or self.config.get("text_config", {}).get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return 4096
+
+    @property
+    def smoke_test(self) -> bool:
+        return bool(self.config.get("flow_smoke_test"))
+
+
+def load_model(name: str, path: Path, device: DeviceThread, engine_config: EngineConfig) -> LoadedModel:
+    """Load weights and tokenizer on the device thread (blocking the caller)."""
+
+    def _load() -> tuple[Any, Any]:
+        from mlx_lm.utils import load
+
+        return load(str(path))
+
+    log.info("loading model %s from %s …", name, path)
+    start = time.perf_counter()
+    model, tokenizer = device.call(_load)
+    seconds = time.perf_counter() - start
+    config = json.loads((path / "config.json").read_text())
+    log.info("loaded model %s in %.1f s", name, seconds)
+    engine = Engine(model, device, engine_config)
+    return LoadedModel(name, path, model, tokenizer, engine, config, seconds)

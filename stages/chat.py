@@ -1,0 +1,142 @@
+"""``chat.prepare`` (template + tokenize) and ``chat.process`` (tokens → text events)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import trio
+from jinja2 import TemplateError
+from pydantic import Field
+
+from flow.registry import register_stage
+from flow.resources import ModelSet
+from flow.stage import Outbox, Stage, StageConfig
+from protocols.errors import ApiError
+from protocols.ir import (
+    ChatRequest,
+    Generation,
+    GenerationStarted,
+    PreparedPrompt,
+    ResponseFinished,
+    ResponseStarted,
+    StreamEvent,
+    TextDelta,
+    TokenChunk,
+    Usage,
+)
+from protocols.stops import StopMatcher
+
+
+class ModelStageConfig(StageConfig):
+    models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
+
+
+def render_prompt(tokenizer: Any, request: ChatRequest) -> str:
+    """Apply the model's chat template (or a plain fallback when it has none)."""
+    messages = [m.to_template() for m in request.messages]
+    if getattr(tokenizer, "chat_template", None) is None:
+        turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return turns + "assistant: "
+    kwargs = dict(request.chat_template_kwargs)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=list(request.tools) or None, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except TemplateError as exc:
+        raise ApiError("invalid_request", f"The model's chat template rejected these messages: {exc}",
+                       param="messages") from None
+    return str(text)
+
+
+@register_stage
+class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
+    type_name: ClassVar[str] = "chat.prepare"
+    input_type: ClassVar[Any] = ChatRequest
+    output_type: ClassVar[Any] = PreparedPrompt
+    Config = ModelStageConfig
+    resource_fields = {"models": "model"}
+    description = "applies the model's chat template, tokenizes, sets stop tokens and the token budget"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet.from_resources(self.resources)
+
+    def prepare(self, request: ChatRequest) -> PreparedPrompt:
+        resource = self.models.lookup(request.model)
+        loaded = resource.require()
+        tokenizer = loaded.tokenizer
+        text = render_prompt(tokenizer, request)
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ApiError("invalid_request", "The prompt is empty after applying the chat template.", param="messages")
+        room = loaded.context_length - len(ids)
+        if request.max_tokens is not None:
+            if request.max_tokens > room:
+                raise ApiError(
+                    "context_length_exceeded",
+                    f"This model's maximum context length is {loaded.context_length} tokens. The messages use "
+                    f"{len(ids)} tokens and max_tokens asks for {request.max_tokens}, "
+                    f"{len(ids) + request.max_tokens} in all; reduce the messages or max_tokens.",
+                    param="max_tokens",
+                )
+            max_tokens = request.max_tokens
+        else:
+            if room < 1:
+                raise ApiError(
+                    "context_length_exceeded",
+                    f"This model's maximum context length is {loaded.context_length} tokens and the messages "
+                    f"already use {len(ids)}; shorten them.",
+                    param="messages",
+                )
+            max_tokens = min(resource.config.default_max_tokens, room)
+        return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
+                              stop_token_ids=frozenset(tokenizer.eos_token_ids), max_tokens=max_tokens, text=text)
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[ChatRequest], outbox: Outbox[PreparedPrompt]) -> None:
+        async for request in inbox:
+            # Templating and tokenizing an agent-sized prompt takes milliseconds: keep it off the event loop.
+            await outbox.send(await trio.to_thread.run_sync(self.prepare, request))
+
+
+@register_stage
+class ChatProcess(Stage[Generation, StreamEvent]):
+    type_name: ClassVar[str] = "chat.process"
+    input_type: ClassVar[Any] = Generation
+    output_type: ClassVar[Any] = StreamEvent
+    Config = ModelStageConfig
+    resource_fields = {"models": "model"}
+    description = "detokenizes (multi-byte safe), matches stop strings with hold-back, reports finish and usage"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet.from_resources(self.resources)
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[Generation], outbox: Outbox[StreamEvent]) -> None:
+        header = await inbox.receive()
+        if not isinstance(header, GenerationStarted):
+            raise TypeError(f"chat.process expects GenerationStarted first, got {type(header).__name__}")
+        prompt = header.prompt
+        detokenizer = self.models.lookup(prompt.model).require().tokenizer.detokenizer
+        stops = StopMatcher(prompt.request.stop)
+        await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens))
+        completion_tokens = 0
+        async for chunk in inbox:
+            assert isinstance(chunk, TokenChunk)
+            completion_tokens += len(chunk.token_ids)
+            for token in chunk.token_ids:
+                detokenizer.add_token(token)
+            if chunk.finish_reason is not None:
+                detokenizer.finalize()
+            text = stops.feed(detokenizer.last_segment)
+            finish = chunk.finish_reason
+            if stops.matched is not None:
+                finish = "stop"
+            elif finish is not None:
+                text += stops.flush()
+            if text:
+                await outbox.send(TextDelta(text))
+            if finish is not None:
+                usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens)
+                await outbox.send(ResponseFinished(finish, usage, stop_sequence=stops.matched))
+                return  # closing our inbox tells generate to drop the sequence
+        raise ApiError("internal", "generation ended without a finish reason")

@@ -1,0 +1,45 @@
+"""``generate``: hands a prepared prompt to the model's engine and streams its token chunks."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import trio
+
+from flow.registry import register_stage
+from flow.resources import ModelSet
+from flow.stage import Outbox, Stage
+from protocols.errors import ApiError
+from protocols.ir import Generation, GenerationStarted, PreparedPrompt
+from stages.chat import ModelStageConfig
+
+
+@register_stage
+class Generate(Stage[PreparedPrompt, Generation]):
+    type_name: ClassVar[str] = "generate"
+    input_type: ClassVar[Any] = PreparedPrompt
+    output_type: ClassVar[Any] = Generation
+    Config = ModelStageConfig
+    resource_fields = {"models": "model"}
+    description = "runs the prompt on the device thread's engine; one chunk per engine step"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet.from_resources(self.resources)
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
+        async for prompt in inbox:
+            engine = self.models.lookup(prompt.model).require().engine
+            handle = engine.submit(list(prompt.token_ids), max_tokens=prompt.max_tokens,
+                                   stop_ids=prompt.stop_token_ids, sampling=prompt.request.sampling)
+            # Leaving this block for any reason (done, downstream finished early,
+            # client gone) cancels the sequence; the engine drops it next step.
+            async with handle:
+                try:
+                    await outbox.send(GenerationStarted(prompt, prompt_tokens=len(prompt.token_ids)))
+                    async for chunk in handle.chunks:
+                        await outbox.send(chunk)
+                except trio.BrokenResourceError:
+                    return  # downstream has all it wants (e.g. a stop string matched)
+            if handle.error is not None:
+                raise ApiError("internal", f"generation failed: {handle.error}") from handle.error
