@@ -70,3 +70,12 @@ def advise() -> None:
     else:
         log.warning("MLX on Linux CPU is using its slow reference BLAS. Install OpenBLAS for a 30-60x "
                     "faster CPU path: %s", INSTALL_HINT)
+
+
+if __name__ == "__main__":
+    # `eval "$(python -m flow.blas)"` in a shell: export LD_PRELOAD when OpenBLAS is available.
+    import shlex
+
+    found = preload_env()
+    if found is not None:
+        print(f"export LD_PRELOAD={shlex.quote(found['LD_PRELOAD'])}")

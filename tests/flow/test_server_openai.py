@@ -86,8 +86,14 @@ def test_raw_sse_ends_with_done(qwen3_server: RunningServer) -> None:
 
 def test_sdk_stream_helper_accumulates(qwen3_server: RunningServer) -> None:
     c = client(qwen3_server)
-    expected = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0)
-    with c.chat.completions.stream(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0) as stream:
+    # The helper refuses to build a final message after a length stop, so end on a stop string.
+    text = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0)
+    stop = (text.choices[0].message.content or "")[8:11]
+    assert stop.strip()
+    expected = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0, stop=stop)
+    assert expected.choices[0].finish_reason == "stop"
+    with c.chat.completions.stream(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0,
+                                   stop=stop) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
