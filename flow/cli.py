@@ -162,13 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="single-stream benchmark: raw mlx-lm vs the server (see --help)",
                        add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, bench_args=[])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = extra  # flow bench has its own options (flow bench --help)
+    elif extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in ("serve", "bench") and argv is None:
         from flow.blas import reexec_with_openblas

@@ -282,4 +282,5 @@ async def serve(server: FlowServer, host: str, port: int, *,
     config.keep_alive_timeout = 75
     config.graceful_timeout = 5
     config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root logger's
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)  # type: ignore[arg-type]

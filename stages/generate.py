@@ -10,8 +10,29 @@ from flow.registry import register_stage
 from flow.resources import ModelSet
 from flow.stage import Outbox, Stage
 from protocols.errors import ApiError
-from protocols.ir import Generation, GenerationStarted, PreparedPrompt
+from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from stages.chat import ModelStageConfig
+
+
+def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChunk]) -> TokenChunk:
+    """Fold chunks that are already waiting into one item.
+
+    When the stages downstream fall behind the engine (many streams, a slow
+    client), tokens pile up here; passing them on as one item keeps the
+    per-item work (detokenizing, encoding, writing) per step, not per token.
+    """
+    if chunk.finish_reason is not None:
+        return chunk
+    tokens = list(chunk.token_ids)
+    finish = None
+    while finish is None:
+        try:
+            more = chunks.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+        tokens.extend(more.token_ids)
+        finish = more.finish_reason
+    return TokenChunk(tuple(tokens), finish) if len(tokens) != len(chunk.token_ids) or finish else chunk
 
 
 @register_stage
@@ -38,7 +59,7 @@ class Generate(Stage[PreparedPrompt, Generation]):
                 try:
                     await outbox.send(GenerationStarted(prompt, prompt_tokens=len(prompt.token_ids)))
                     async for chunk in handle.chunks:
-                        await outbox.send(chunk)
+                        await outbox.send(merge_pending(chunk, handle.chunks))
                 except trio.BrokenResourceError:
                     return  # downstream has all it wants (e.g. a stop string matched)
             if handle.error is not None:
