@@ -61,6 +61,8 @@ class SamplingParams:
     frequency_penalty: float | None = None
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each sampled token's log-probability and this many top alternatives (None: off).
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -95,11 +97,21 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
-    tools: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI function-tool shape: {"type": "function", "function": {...}}
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"name": ...}
+    thinking: bool | None = None  # None: the model's default
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
+    # A raw prompt (legacy completions): used as is, no chat template. Text or token ids.
+    prompt: str | tuple[int, ...] | None = None
     request_id: str = ""
     created: int = 0
     user: str | None = None
+    # Protocol-specific values that only the protocol's own exit stage reads back
+    # (e.g. Responses' ``store`` and ``previous_response_id``); other stages ignore them.
+    extensions: tuple[tuple[str, Any], ...] = ()
+
+    def extension(self, key: str, default: Any = None) -> Any:
+        return dict(self.extensions).get(key, default)
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,16 @@ class GenerationStarted:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the top alternatives (ids at the engine,
+    strings after ``chat.process``)."""
+
+    token: int | str
+    logprob: float
+    top: tuple[tuple[int | str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenChunk:
     """The tokens one engine step produced for one sequence.
 
@@ -134,6 +156,7 @@ class TokenChunk:
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
 
 Generation = Union[GenerationStarted, TokenChunk]
@@ -162,6 +185,7 @@ class ResponseStarted:
 @dataclass(frozen=True)
 class TextDelta:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens behind this text, when asked for
 
 
 @dataclass(frozen=True)
@@ -213,6 +237,7 @@ class FinalResult:
     finish_reason: FinishReason
     usage: Usage
     stop_sequence: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -231,6 +256,7 @@ class ResultBuilder:
 
     started: ResponseStarted | None = None
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: dict[int, list[str]] = field(default_factory=dict)
     call_heads: dict[int, tuple[str, str]] = field(default_factory=dict)
@@ -241,6 +267,7 @@ class ResultBuilder:
             self.started = event
         elif isinstance(event, TextDelta):
             self.text.append(event.text)
+            self.logprobs.extend(event.logprobs)
         elif isinstance(event, ReasoningDelta):
             self.reasoning.append(event.text)
         elif isinstance(event, ToolCallDelta):
@@ -265,5 +292,6 @@ class ResultBuilder:
             finish_reason=self.finished.finish_reason,
             usage=self.finished.usage,
             stop_sequence=self.finished.stop_sequence,
+            logprobs=tuple(self.logprobs),
         )
 

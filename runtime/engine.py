@@ -39,7 +39,7 @@ import mlx.core as mx
 import trio
 from mlx_lm.models.cache import make_prompt_cache
 
-from protocols.ir import FinishReason, SamplingParams, TokenChunk
+from protocols.ir import FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from runtime.device import DeviceThread
 from runtime.sampling import SequenceSampler
 
@@ -89,6 +89,7 @@ class _Sequence:
     prefilled: int = 0
     cache: list[Any] = field(default_factory=list)
     pending: mx.array | None = None
+    pending_logprobs: mx.array | None = None
     generated: int = 0
     history: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -189,37 +190,41 @@ class Engine:
     def _forward(self, seq: _Sequence, tokens: mx.array) -> mx.array:
         return self.model(tokens[None], cache=seq.cache)
 
-    def _sample(self, seq: _Sequence, logits: mx.array) -> mx.array:
+    def _sample(self, seq: _Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:
         return seq.sampler(logits[:, -1, :], seq.history)
 
     def _decode(self, out: list[tuple[_Sequence, TokenChunk]]) -> None:
         start = time.perf_counter()
-        upcoming: list[mx.array | None] = []
+        upcoming: list[tuple[mx.array, mx.array] | None] = []
         for seq in self._decoding:
             assert seq.pending is not None
             if seq.generated + 1 < seq.max_tokens:
                 upcoming.append(self._sample(seq, self._forward(seq, seq.pending)))
             else:
                 upcoming.append(None)
-        mx.async_eval([u for u in upcoming if u is not None])
+        mx.async_eval([u[0] for u in upcoming if u is not None])
         still: list[_Sequence] = []
         for seq, nxt in zip(self._decoding, upcoming):
             assert seq.pending is not None
             token = seq.pending.item()
             finish: FinishReason | None = None
             tokens: tuple[int, ...] = ()
+            logprobs: tuple[TokenLogprob, ...] = ()
             if token in seq.stop_ids:
                 finish = "stop"
             else:
                 tokens = (token,)
+                if seq.pending_logprobs is not None:
+                    logprobs = (seq.sampler.report(token, seq.pending_logprobs),)
                 seq.generated += 1
                 if seq.sampler.processors:
                     seq.history.append(token)
                 if seq.generated >= seq.max_tokens:
                     finish = "length"
-            out.append((seq, TokenChunk(tokens, finish)))
+            out.append((seq, TokenChunk(tokens, finish, logprobs)))
             if finish is None:
-                seq.pending = nxt
+                assert nxt is not None  # computed above: the sequence had room for another token
+                self._set_pending(seq, nxt)
                 still.append(seq)
             else:
                 self._finish(seq)
@@ -249,7 +254,7 @@ class Engine:
                 self.stats.prompt_tokens += n
                 continue
             last = mx.array(seq.prompt[-1:])
-            seq.pending = self._sample(seq, self._forward(seq, last))
+            self._set_pending(seq, self._sample(seq, self._forward(seq, last)))
             mx.async_eval(seq.pending)
             self.stats.prompt_tokens += 1
             budget -= 1
@@ -257,9 +262,15 @@ class Engine:
             self._decoding.append(seq)
         self.stats.prefill_seconds += time.perf_counter() - start
 
+    @staticmethod
+    def _set_pending(seq: _Sequence, sampled: tuple[mx.array, mx.array]) -> None:
+        seq.pending = sampled[0]
+        # Keep the distribution only for requests that asked for logprobs.
+        seq.pending_logprobs = sampled[1] if seq.sampler.params.logprobs is not None else None
+
     def _finish(self, seq: _Sequence) -> None:
         seq.cache = []
-        seq.pending = None
+        seq.pending = seq.pending_logprobs = None
         self.stats.finished += 1
 
     def _fail_all(self, exc: BaseException) -> None:

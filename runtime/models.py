@@ -110,6 +110,11 @@ class LoadedModel:
         return 4096
 
     @property
+    def vocab_size(self) -> int:
+        size = self.config.get("vocab_size") or self.config.get("text_config", {}).get("vocab_size")
+        return int(size) if size else len(self.tokenizer.get_vocab())
+
+    @property
     def smoke_test(self) -> bool:
         return bool(self.config.get("flow_smoke_test"))
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from protocols.ir import SamplingParams
+from protocols.ir import SamplingParams, TokenLogprob
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -36,22 +36,34 @@ class SequenceSampler:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         self._key = mx.random.key(seed) if not params.greedy else None
 
-    def __call__(self, logits: mx.array, history: list[int]) -> mx.array:
-        """``logits`` is ``[1, vocab]`` for the last position; returns a ``[1]`` token array."""
+    def __call__(self, logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array]:
+        """``logits`` is ``[1, vocab]`` for the last position; returns the ``[1]`` token array
+        and the ``[1, vocab]`` log-probabilities it was drawn from (after penalties)."""
         if self.processors:
             tokens = mx.array(history[-self.history_window :])
             for processor in self.processors:
                 logits = processor(tokens, logits)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if self._key is None:
-            return mx.argmax(logprobs, axis=-1)
+            return mx.argmax(logprobs, axis=-1), logprobs
         p = self.params
+        filtered = logprobs
         if 0.0 < p.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, p.top_p)
+            filtered = apply_top_p(filtered, p.top_p)
         if p.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, p.min_p)
+            filtered = apply_min_p(filtered, p.min_p)
         if p.top_k > 0:
-            logprobs = apply_top_k(logprobs, p.top_k)
+            filtered = apply_top_k(filtered, p.top_k)
         keys = mx.random.split(self._key)
         self._key = keys[0]
-        return mx.random.categorical(logprobs * (1.0 / p.temperature), key=keys[1])
+        return mx.random.categorical(filtered * (1.0 / p.temperature), key=keys[1]), logprobs
+
+    def report(self, token: int, logprobs: mx.array) -> TokenLogprob:
+        """The sampled token's log-probability and the top alternatives, as asked for."""
+        row = logprobs.reshape(-1)
+        k = self.params.logprobs or 0
+        top: tuple[tuple[int | str, float], ...] = ()
+        if k > 0:
+            ids = mx.argsort(-row)[:k]
+            top = tuple(zip(ids.tolist(), row[ids].tolist()))
+        return TokenLogprob(token, row[token].item(), top)

@@ -22,6 +22,7 @@ from protocols.ir import (
     StreamEvent,
     TextDelta,
     TokenChunk,
+    TokenLogprob,
     Usage,
 )
 from protocols.stops import StopMatcher
@@ -38,6 +39,8 @@ def render_prompt(tokenizer: Any, request: ChatRequest) -> str:
         turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return turns + "assistant: "
     kwargs = dict(request.chat_template_kwargs)
+    if request.thinking is not None:
+        kwargs.setdefault("enable_thinking", request.thinking)
     try:
         text = tokenizer.apply_chat_template(
             messages, tools=list(request.tools) or None, add_generation_prompt=True, tokenize=False, **kwargs
@@ -65,8 +68,18 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
         resource = self.models.lookup(request.model)
         loaded = resource.require()
         tokenizer = loaded.tokenizer
-        text = render_prompt(tokenizer, request)
-        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(request.prompt, tuple):
+            text, ids = "", request.prompt
+            if any(not 0 <= t < loaded.vocab_size for t in ids):
+                raise ApiError("invalid_request", f"Token ids in 'prompt' must be between 0 and "
+                               f"{loaded.vocab_size - 1}.", param="prompt")
+        elif isinstance(request.prompt, str):
+            # A raw prompt gets the tokenizer's own special tokens (BOS), as in mlx-lm's server.
+            text = request.prompt
+            ids = tuple(tokenizer.encode(text))
+        else:
+            text = render_prompt(tokenizer, request)
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise ApiError("invalid_request", "The prompt is empty after applying the chat template.", param="messages")
         room = loaded.context_length - len(ids)
@@ -98,6 +111,14 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             await outbox.send(await trio.to_thread.run_sync(self.prepare, request))
 
 
+def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:
+    """Engine logprobs carry token ids; clients want the tokens' text."""
+    return TokenLogprob(
+        tokenizer.decode([logprob.token]), logprob.logprob,
+        tuple((tokenizer.decode([t]), value) for t, value in logprob.top),
+    )
+
+
 @register_stage
 class ChatProcess(Stage[Generation, StreamEvent]):
     type_name: ClassVar[str] = "chat.process"
@@ -116,7 +137,8 @@ class ChatProcess(Stage[Generation, StreamEvent]):
         if not isinstance(header, GenerationStarted):
             raise TypeError(f"chat.process expects GenerationStarted first, got {type(header).__name__}")
         prompt = header.prompt
-        detokenizer = self.models.lookup(prompt.model).require().tokenizer.detokenizer
+        tokenizer = self.models.lookup(prompt.model).require().tokenizer
+        detokenizer = tokenizer.detokenizer
         stops = StopMatcher(prompt.request.stop)
         await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens))
         completion_tokens = 0
@@ -133,8 +155,9 @@ class ChatProcess(Stage[Generation, StreamEvent]):
                 finish = "stop"
             elif finish is not None:
                 text += stops.flush()
-            if text:
-                await outbox.send(TextDelta(text))
+            logprobs = tuple(_token_strings(tokenizer, lp) for lp in chunk.logprobs)
+            if text or logprobs:
+                await outbox.send(TextDelta(text, logprobs))
             if finish is not None:
                 usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens)
                 await outbox.send(ResponseFinished(finish, usage, stop_sequence=stops.matched))
