@@ -188,7 +188,8 @@ class Engine:
             self.stats.cancelled += before - len(self._waiting) - len(self._decoding)
 
     def _forward(self, seq: _Sequence, tokens: mx.array) -> mx.array:
-        return self.model(tokens[None], cache=seq.cache)
+        logits: mx.array = self.model(tokens[None], cache=seq.cache)
+        return logits
 
     def _sample(self, seq: _Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:
         return seq.sampler(logits[:, -1, :], seq.history)
@@ -202,11 +203,11 @@ class Engine:
                 upcoming.append(self._sample(seq, self._forward(seq, seq.pending)))
             else:
                 upcoming.append(None)
-        mx.async_eval([u[0] for u in upcoming if u is not None])
+        mx.async_eval([u[0] for u in upcoming if u is not None])  # type: ignore[no-untyped-call]
         still: list[_Sequence] = []
         for seq, nxt in zip(self._decoding, upcoming):
             assert seq.pending is not None
-            token = seq.pending.item()
+            token = int(seq.pending.item())  # type: ignore[arg-type]
             finish: FinishReason | None = None
             tokens: tuple[int, ...] = ()
             logprobs: tuple[TokenLogprob, ...] = ()
@@ -255,7 +256,7 @@ class Engine:
                 continue
             last = mx.array(seq.prompt[-1:])
             self._set_pending(seq, self._sample(seq, self._forward(seq, last)))
-            mx.async_eval(seq.pending)
+            mx.async_eval(seq.pending)  # type: ignore[no-untyped-call]
             self.stats.prompt_tokens += 1
             budget -= 1
             self._waiting.popleft()

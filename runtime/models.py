@@ -125,7 +125,8 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
     def _load() -> tuple[Any, Any]:
         from mlx_lm.utils import load
 
-        return load(str(path))
+        loaded = load(str(path))
+        return loaded[0], loaded[1]
 
     log.info("loading model %s from %s …", name, path)
     start = time.perf_counter()

@@ -65,5 +65,5 @@ class SequenceSampler:
         top: tuple[tuple[int | str, float], ...] = ()
         if k > 0:
             ids = mx.argsort(-row)[:k]
-            top = tuple(zip(ids.tolist(), row[ids].tolist()))
-        return TokenLogprob(token, row[token].item(), top)
+            top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), row[ids].tolist()))  # type: ignore[arg-type]
+        return TokenLogprob(token, float(row[token].item()), top)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ discards its copy.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import random
@@ -707,14 +708,11 @@ def _model_config(info: _ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> 
     return {**common, **arch_fields, **marker}
 
 
+_MODULES: dict[str, str] = {"qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}
+
+
 def _model_module(arch: Arch) -> Any:
-    if arch == "qwen3":
-        from mlx_lm.models import qwen3 as module
-    elif arch == "llama":
-        from mlx_lm.models import llama as module
-    else:
-        from mlx_lm.models import gemma3_text as module
-    return module
+    return importlib.import_module(f"mlx_lm.models.{_MODULES[arch]}")
 
 
 def _random_weights(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.array]:
