@@ -148,17 +148,27 @@ class FlowServer:
 
     # ------------------------------------------------------------------ info endpoints
     def models_json(self) -> dict[str, Any]:
+        """The model list in a shape both SDKs accept: OpenAI's ``{object, data:[{id, object,
+        created, owned_by}]}`` and Anthropic's ``{data:[{type, id, display_name, created_at}],
+        has_more, first_id, last_id}`` (each ignores the other's fields)."""
+        created = int(self.started_at)
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
         data = []
         for model in self.models:
             for model_id in model.ids:
-                entry: dict[str, Any] = {"id": model_id, "object": "model", "created": int(self.started_at),
-                                         "owned_by": "flow"}
+                entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "flow",
+                                         "type": "model", "display_name": model_id, "created_at": created_at,
+                                         "lifecycle": "active"}
                 if model_id != model.name:
                     entry["alias_of"] = model.name
-                if model.loaded is not None and model.loaded.smoke_test:
-                    entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
+                if model.loaded is not None:
+                    entry["max_input_tokens"] = model.loaded.context_length
+                    if model.loaded.smoke_test:
+                        entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
+                        entry["display_name"] = f"{model_id} (smoke-test model)"
                 data.append(entry)
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": data, "has_more": False,
+                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
     def health_json(self) -> dict[str, Any]:
         ready = all(m.loaded is not None for m in self.models)

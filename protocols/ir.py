@@ -38,6 +38,11 @@ class HttpRequest:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     request_id: str
+    # Values of the route's path parameters (``/v1/responses/{id}``), by name.
+    params: tuple[tuple[str, str], ...] = ()
+
+    def param(self, name: str) -> str:
+        return dict(self.params)[name]
 
     def header(self, name: str) -> str | None:
         lowered = name.lower()
@@ -99,6 +104,7 @@ class ChatRequest:
     include_usage: bool = False
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function-tool shape: {"type": "function", "function": {...}}
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"name": ...}
+    parallel_tool_calls: bool = True
     thinking: bool | None = None  # None: the model's default
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     # A raw prompt (legacy completions): used as is, no chat template. Text or token ids.

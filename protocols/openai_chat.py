@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from protocols.errors import ApiError
+from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols.errors import STATUS, ApiError
 from protocols.ir import (
     ChatRequest,
     FinalResult,
@@ -26,6 +27,7 @@ from protocols.ir import (
     SamplingParams,
     StreamEvent,
     TextDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
 )
@@ -88,6 +90,8 @@ class ChatCompletionBody(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -194,7 +198,10 @@ def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatReque
         frequency_penalty=parsed.frequency_penalty,
         seed=parsed.seed,
         logit_bias=tuple((int(k), v) for k, v in (parsed.logit_bias or {}).items()),
+        logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
     )
+    if parsed.top_logprobs and not parsed.logprobs:
+        raise ApiError("invalid_request", "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     return ChatRequest(
         model=parsed.model,
         messages=tuple(_message(m, i) for i, m in enumerate(parsed.messages)),
@@ -227,6 +234,22 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _token_json(token: str | int, logprob: float) -> dict[str, Any]:
+    text = str(token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def logprobs_json(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+    """``choices[].logprobs`` of chat completions: one entry per generated token."""
+    return {
+        "content": [
+            {**_token_json(lp.token, lp.logprob), "top_logprobs": [_token_json(t, v) for t, v in lp.top]}
+            for lp in logprobs
+        ],
+        "refusal": None,
+    }
+
+
 def _tool_calls_json(result: FinalResult) -> list[dict[str, Any]]:
     return [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -251,7 +274,8 @@ def encode_completion(result: FinalResult) -> dict[str, Any]:
         "created": request.created,
         "model": request.model,
         "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+            {"index": 0, "message": message, "finish_reason": result.finish_reason,
+             "logprobs": logprobs_json(result.logprobs) if result.request.sampling.logprobs is not None else None}
         ],
         "usage": usage_json(result.usage),
         "system_fingerprint": None,
@@ -266,7 +290,8 @@ class ChatStreamEncoder:
         self._sent_role = False
         self._usage_field = {"usage": None} if self.request.include_usage else {}
 
-    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: tuple[TokenLogprob, ...] = ()) -> bytes:
         if not self._sent_role:
             delta = {"role": "assistant", **delta}
             self._sent_role = True
@@ -278,7 +303,8 @@ class ChatStreamEncoder:
                 "model": self.request.model,
                 "system_fingerprint": None,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                    {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                     "logprobs": logprobs_json(logprobs) if logprobs else None}
                 ],
                 **self._usage_field,
             }
@@ -287,9 +313,14 @@ class ChatStreamEncoder:
     def start(self) -> list[bytes]:
         return [self._chunk({"content": ""})]
 
+    def keepalive(self) -> list[bytes]:
+        return [SSE_COMMENT_KEEPALIVE]
+
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TextDelta):
-            return [self._chunk({"content": event.text})] if event.text else []
+            if not event.text and not event.logprobs:
+                return []
+            return [self._chunk({"content": event.text}, logprobs=event.logprobs)]
         if isinstance(event, ReasoningDelta):
             text = event.text
             return [self._chunk({"reasoning_content": text, "reasoning": text})] if text else []
@@ -360,3 +391,14 @@ def error_body(error: ApiError) -> bytes:
 def error_frames(error: ApiError) -> list[bytes]:
     """An error after streaming began: an ``error`` chunk (the SDK raises on it), then ``[DONE]``."""
     return [data_frame(error_json(error)), DONE]
+
+
+class ChatCodec:
+    stream_encoder = staticmethod(ChatStreamEncoder)
+    encode_final = staticmethod(encode_completion)
+    error_body = staticmethod(error_body)
+    error_frames = staticmethod(error_frames)
+
+    @staticmethod
+    def error_status(error: ApiError) -> int:
+        return STATUS[error.kind]

@@ -52,6 +52,18 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
+def _most_specific(errors: list[Any]) -> list[Any]:
+    """Drop a union's shallow complaints when a branch got further.
+
+    For ``content: str | list[Block]`` given a list with one bad block, pydantic
+    reports both "not a string" at ``content`` and the real problem at
+    ``content[0].id``; only the latter helps the client."""
+    paths = [field_path(tuple(p for p in e["loc"] if not _is_union_tag(p))) for e in errors]
+    kept = [e for e, path in zip(errors, paths)
+            if not any(other != path and other.startswith((path + ".", path + "[")) for other in paths)]
+    return kept or errors
+
+
 def parse_json_body(model: type[M], body: bytes) -> M:
     """Parse and validate ``body`` as ``model``; raise one ApiError naming the first bad field."""
     if not body.strip():
@@ -67,7 +79,7 @@ def parse_json_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
+        errors = _most_specific(exc.errors())
         first = errors[0]
         param = field_path(tuple(p for p in first["loc"] if not _is_union_tag(p))) or None
         message = "; ".join(_describe(e) for e in errors[:3])

@@ -1,5 +1,5 @@
 """Built-in stage types; importing this package registers them."""
 
-from stages import chat, generate, openai_chat
+from stages import anthropic, chat, generate, openai_chat
 
-__all__ = ["chat", "generate", "openai_chat"]
+__all__ = ["anthropic", "chat", "generate", "openai_chat"]

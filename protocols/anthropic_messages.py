@@ -1,0 +1,481 @@
+"""Anthropic Messages: request schema, decoding to IR, wire encoding, error shapes.
+
+Decoding is lenient where Claude Code and the SDKs send things a local model
+has no use for (``cache_control``, ``metadata``, ``output_config``,
+``context_management``, server tools, beta headers): they are accepted and
+ignored, never rejected. Content blocks map onto the chat-template message
+shape every family template understands:
+
+* ``text`` blocks concatenate into the message content;
+* ``thinking`` blocks become the assistant message's ``reasoning_content``;
+* ``tool_use`` blocks become OpenAI-style ``tool_calls`` (arguments as dicts);
+* ``tool_result`` blocks become ``tool`` messages, in order, before the text
+  of the same user turn;
+* ``image``/``document`` blocks become a short marker: the served models read
+  text only, and an agent whose history holds a screenshot must keep working.
+
+The first system block Claude Code sends (``x-anthropic-billing-header: …``)
+changes on every request; it is dropped before templating so that it cannot
+defeat prefix reuse.
+
+Encoding is :class:`MessagesStreamEncoder`, a state machine that opens and
+closes content blocks as the kind of event changes, so that indices run
+0..n-1 in start order and every delta targets the open block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from protocols.errors import STATUS, ApiError
+from protocols.ir import (
+    ChatRequest,
+    FinalResult,
+    Message,
+    ReasoningDelta,
+    ResponseFinished,
+    ResponseStarted,
+    SamplingParams,
+    StreamEvent,
+    TextDelta,
+    ToolCallDelta,
+    Usage,
+)
+from protocols.sse import dumps, event_frame
+from protocols.validation import parse_json_body
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
+
+# --------------------------------------------------------------------------- request
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class MediaBlock(_Lenient):
+    type: Literal["image", "document"]
+
+
+class ThinkingBlock(_Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Lenient):
+    type: Literal["redacted_thinking"]
+
+
+class ToolUseBlock(_Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class OtherBlock(_Lenient):
+    """A block type this server does not model (server-tool results, search results, …).
+
+    Its ``text``, if it has one, is kept; anything else is skipped, so that new
+    block types in a client's history never break a conversation."""
+
+    type: str
+
+
+_TAGS = {"text": "text", "image": "media", "document": "media", "thinking": "thinking",
+         "redacted_thinking": "redacted_thinking", "tool_use": "tool_use", "tool_result": "tool_result"}
+
+
+def _block_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _TAGS.get(kind, "other") if isinstance(kind, str) else "other"
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[MediaBlock, Tag("media")]
+    | Annotated[ThinkingBlock, Tag("thinking")] | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
+    | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated["ToolResultBlock", Tag("tool_result")]
+    | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_tag),
+]
+
+
+class ToolResultBlock(_Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
+
+
+class MessageIn(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolIn(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None  # absent on server tools (web_search_…), which are ignored
+
+
+class ToolChoiceIn(_Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingIn(_Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class MessagesBody(_Lenient):
+    model: str = Field(min_length=1)
+    messages: list[MessageIn]
+    max_tokens: int = Field(ge=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    thinking: ThinkingIn | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(s == "" for s in value):
+            raise ValueError("stop sequences must not be empty strings")
+        return value
+
+
+class CountTokensBody(MessagesBody):
+    """``/v1/messages/count_tokens``: the same body, without ``max_tokens``."""
+
+    max_tokens: int = Field(default=1, ge=1)  # type: ignore[assignment]
+
+
+def _media_marker(kind: str) -> str:
+    return MEDIA_MARKER.format(kind=kind)
+
+
+def _text_of(blocks: str | list[Any] | None) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    parts = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append(block.text)
+        elif isinstance(block, MediaBlock):
+            parts.append(_media_marker(block.type))
+        elif isinstance(block, OtherBlock) and isinstance((block.model_extra or {}).get("text"), str):
+            parts.append((block.model_extra or {})["text"])
+    return "\n".join(parts)
+
+
+def _system_text(system: str | list[TextBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    kept = [b.text for b in system if not b.text.lstrip().startswith(BILLING_HEADER_PREFIX)]
+    return "\n\n".join(t for t in kept if t)
+
+
+def _convert_messages(body: MessagesBody) -> list[Message]:
+    out: list[Message] = []
+    system = _system_text(body.system)
+    if system:
+        out.append(Message("system", system))
+    tool_names: dict[str, str] = {}
+    for msg in body.messages:
+        if isinstance(msg.content, str):
+            out.append(Message(msg.role, msg.content))
+            continue
+        texts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in msg.content:
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, MediaBlock):
+                texts.append(_media_marker(block.type))
+            elif isinstance(block, ThinkingBlock):
+                reasoning.append(block.thinking)
+            elif isinstance(block, ToolUseBlock):
+                tool_names[block.id] = block.name
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input}})
+            elif isinstance(block, ToolResultBlock):
+                content = _text_of(block.content)
+                if block.is_error:
+                    content = f"Error: {content}"
+                extra = (("tool_call_id", block.tool_use_id),)
+                out.append(Message("tool", content, name=tool_names.get(block.tool_use_id), extra=extra))
+            elif isinstance(block, OtherBlock):
+                text = (block.model_extra or {}).get("text")
+                if isinstance(text, str):
+                    texts.append(text)
+        extra: list[tuple[str, Any]] = []
+        if calls:
+            extra.append(("tool_calls", calls))
+        if reasoning:
+            extra.append(("reasoning_content", "\n".join(reasoning)))
+        if texts or extra or msg.role == "assistant":
+            out.append(Message(msg.role, "".join(texts), extra=tuple(extra)))
+    return out
+
+
+def _tools(body: MessagesBody) -> tuple[dict[str, Any], ...]:
+    tools = []
+    for tool in body.tools or ():
+        if tool.input_schema is None:
+            continue  # a server tool (web search, code execution…): only Anthropic runs those
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    return tuple(tools)
+
+
+def _tool_choice(choice: ToolChoiceIn | None) -> str | dict[str, Any] | None:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise ApiError("invalid_request", "'tool_choice.name' is required when tool_choice.type is 'tool'.",
+                           param="tool_choice.name")
+        return {"name": choice.name}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def decode_messages_request(body: bytes, request_id: str, created: int, *, count_only: bool = False) -> ChatRequest:
+    """Validate an Anthropic Messages body (or a count_tokens body) and map it to the IR."""
+    parsed = parse_json_body(CountTokensBody if count_only else MessagesBody, body)
+    if not parsed.messages:
+        raise ApiError("invalid_request", "'messages' must contain at least one message.", param="messages")
+    thinking = None if parsed.thinking is None or parsed.thinking.type == "adaptive" else (
+        parsed.thinking.type == "enabled")
+    sampling = SamplingParams(
+        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+        top_k=parsed.top_k or 0,
+    )
+    user = (parsed.metadata or {}).get("user_id")
+    return ChatRequest(
+        model=parsed.model,
+        messages=tuple(_convert_messages(parsed)),
+        max_tokens=None if count_only else parsed.max_tokens,
+        sampling=sampling,
+        stop=tuple(parsed.stop_sequences or ()),
+        stream=parsed.stream and not count_only,
+        include_usage=True,
+        tools=_tools(parsed),
+        tool_choice=_tool_choice(parsed.tool_choice),
+        parallel_tool_calls=not (parsed.tool_choice and parsed.tool_choice.disable_parallel_tool_use),
+        thinking=thinking,
+        request_id=request_id,
+        created=created,
+        user=user if isinstance(user, str) else None,
+    )
+
+
+# --------------------------------------------------------------------------- response
+
+
+def message_id(request: ChatRequest) -> str:
+    return f"msg_{request.request_id}"
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``)."""
+    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+
+
+def thinking_signature(text: str) -> str:
+    # Clients hand the signature back with the thinking block; nothing checks it here,
+    # but it must be present and stable for the same text.
+    return "flow-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                "error": "end_turn", "cancelled": "end_turn"}
+
+
+def stop_reason(finish_reason: str, stop_sequence: str | None) -> str:
+    return "stop_sequence" if stop_sequence is not None else STOP_REASONS[finish_reason]
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    # Anthropic counts cache reads apart from input_tokens.
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _arguments_object(arguments: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def encode_message(result: FinalResult) -> dict[str, Any]:
+    """The non-streaming ``message`` object."""
+    content: list[dict[str, Any]] = []
+    if result.reasoning:
+        content.append({"type": "thinking", "thinking": result.reasoning,
+                        "signature": thinking_signature(result.reasoning)})
+    if result.text:
+        content.append({"type": "text", "text": result.text})
+    for call in result.tool_calls:
+        content.append({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name,
+                        "input": _arguments_object(call.arguments)})
+    return {
+        "id": message_id(result.request),
+        "type": "message",
+        "role": "assistant",
+        "model": result.request.model,
+        "content": content,
+        "stop_reason": stop_reason(result.finish_reason, result.stop_sequence),
+        "stop_sequence": result.stop_sequence,
+        "usage": usage_json(result.usage),
+    }
+
+
+class MessagesStreamEncoder:
+    """Encodes stream events as Anthropic SSE events (``event:`` + ``data:``)."""
+
+    def __init__(self, started: ResponseStarted) -> None:
+        self.started = started
+        self.request = started.request
+        self._index = -1
+        self._open: str | None = None  # "text" | "thinking" | "tool_use"
+        self._thinking: list[str] = []
+
+    def start(self) -> list[bytes]:
+        usage = usage_json(Usage(self.started.prompt_tokens, 0, self.started.cached_tokens))
+        message = {
+            "id": message_id(self.request), "type": "message", "role": "assistant", "content": [],
+            "model": self.request.model, "stop_reason": None, "stop_sequence": None, "usage": usage,
+        }
+        return [event_frame("message_start", {"type": "message_start", "message": message}), self.keepalive()[0]]
+
+    def keepalive(self) -> list[bytes]:
+        return [event_frame("ping", {"type": "ping"})]
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        frames = []
+        if self._open == "thinking":
+            signature = thinking_signature("".join(self._thinking))
+            frames.append(self._delta({"type": "signature_delta", "signature": signature}))
+            self._thinking = []
+        frames.append(event_frame("content_block_stop", {"type": "content_block_stop", "index": self._index}))
+        self._open = None
+        return frames
+
+    def _begin(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        frames = self._close()
+        self._index += 1
+        self._open = kind
+        frames.append(event_frame("content_block_start",
+                                  {"type": "content_block_start", "index": self._index, "content_block": block}))
+        return frames
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return event_frame("content_block_delta", {"type": "content_block_delta", "index": self._index,
+                                                   "delta": delta})
+
+    def encode(self, event: StreamEvent) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            if not event.text:
+                return []
+            frames = [] if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
+            frames.append(self._delta({"type": "text_delta", "text": event.text}))
+            return frames
+        if isinstance(event, ReasoningDelta):
+            if not event.text:
+                return []
+            frames = [] if self._open == "thinking" else self._begin(
+                "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self._thinking.append(event.text)
+            frames.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+            return frames
+        if isinstance(event, ToolCallDelta):
+            frames = []
+            if event.id is not None:
+                frames = self._begin("tool_use", {"type": "tool_use", "id": tool_use_id(event.id),
+                                                  "name": event.name or "", "input": {}})
+            if event.arguments and self._open == "tool_use":
+                frames.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+            return frames
+        if isinstance(event, ResponseFinished):
+            frames = self._close()
+            frames.append(event_frame("message_delta", {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason(event.finish_reason, event.stop_sequence),
+                          "stop_sequence": event.stop_sequence},
+                "usage": usage_json(event.usage),
+            }))
+            frames.append(event_frame("message_stop", {"type": "message_stop"}))
+            return frames
+        return []
+
+
+# --------------------------------------------------------------------------- errors
+
+ERROR_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "context_length_exceeded": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "method_not_allowed": "invalid_request_error",
+    "request_too_large": "request_too_large",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "overloaded_error",
+    "internal": "api_error",
+}
+
+
+def error_status(error: ApiError) -> int:
+    # Anthropic's own status for "overloaded": clients back off and retry on it.
+    return 529 if error.kind == "overloaded" else STATUS[error.kind]
+
+
+def error_json(error: ApiError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ERROR_TYPES[error.kind], "message": error.message}}
+
+
+def error_body(error: ApiError) -> bytes:
+    return dumps(error_json(error))
+
+
+def error_frames(error: ApiError) -> list[bytes]:
+    return [event_frame("error", error_json(error))]
+
+
+class MessagesCodec:
+    stream_encoder = staticmethod(MessagesStreamEncoder)
+    encode_final = staticmethod(encode_message)
+    error_status = staticmethod(error_status)
+    error_body = staticmethod(error_body)
+    error_frames = staticmethod(error_frames)

@@ -1,0 +1,111 @@
+"""The shared shape of protocol entry and exit stages.
+
+An entry stage (:class:`ProtocolDecode`) turns the HTTP request into a
+protocol-neutral :class:`ChatRequest`; an exit stage (:class:`ProtocolFormat`)
+turns the event stream back into the protocol's wire format. Both loops are
+the same for every protocol; a protocol contributes only its ``decode``
+function and its :class:`~protocols.codec.Codec`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import trio
+from pydantic import Field
+
+from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from protocols.codec import Codec
+from protocols.errors import ApiError
+from protocols.ir import ChatRequest, FinalResult, HttpRequest, ResponseStarted, ResultBuilder, StreamEvent, WireFrame
+from protocols.sse import dumps
+
+SSE_HEADERS = (("content-type", "text/event-stream"), ("cache-control", "no-cache"), ("x-accel-buffering", "no"))
+JSON_HEADERS = (("content-type", "application/json"),)
+
+
+def error_headers(error: ApiError) -> tuple[tuple[str, str], ...]:
+    headers = list(JSON_HEADERS)
+    if error.retry_after is not None:
+        headers.append(("retry-after", str(max(1, round(error.retry_after)))))
+    # Anthropic's and OpenAI's SDKs both honour this: no pointless retries of a bad request.
+    headers.append(("x-should-retry", "true" if error.retryable else "false"))
+    return tuple(headers)
+
+
+def json_frame(obj: Any) -> WireFrame:
+    return WireFrame(dumps(obj), headers=JSON_HEADERS)
+
+
+class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
+    """Entry stage: validates a protocol's body into a :class:`ChatRequest`."""
+
+    input_type: ClassVar[Any] = HttpRequest
+    output_type: ClassVar[Any] = ChatRequest
+
+    def decode(self, http: HttpRequest, created: int) -> ChatRequest:
+        raise NotImplementedError
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
+        async for http in inbox:
+            await outbox.send(self.decode(http, int(time.time())))
+
+
+class FormatConfig(StageConfig):
+    keepalive_seconds: float = Field(
+        default=10.0, gt=0, description="idle seconds (e.g. a long prefill) after which a stream gets a keepalive")
+
+
+class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
+    """Exit stage: SSE frames as events arrive, or one JSON body at the end."""
+
+    input_type: ClassVar[Any] = StreamEvent
+    output_type: ClassVar[Any] = WireFrame
+    Config = FormatConfig
+    codec: ClassVar[type[Codec]]
+
+    @classmethod
+    def error_response(cls, error: ApiError) -> WireFrame:
+        return WireFrame(cls.codec.error_body(error), status=cls.codec.error_status(error),
+                         headers=error_headers(error))
+
+    @classmethod
+    def error_frames(cls, error: ApiError) -> list[WireFrame]:
+        return [WireFrame(b"".join(cls.codec.error_frames(error)))]
+
+    async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
+        """Called once the whole response is known (the Responses store keeps it)."""
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[StreamEvent], outbox: Outbox[WireFrame]) -> None:
+        header = await inbox.receive()
+        if not isinstance(header, ResponseStarted):
+            raise TypeError(f"{self.type_name} expects ResponseStarted first, got {type(header).__name__}")
+        builder = ResultBuilder()
+        builder.add(header)
+        if header.request.stream:
+            encoder = self.codec.stream_encoder(header)
+            await outbox.send(WireFrame(b"".join(encoder.start()), headers=SSE_HEADERS, streaming=True))
+            keepalive = self.config.keepalive_seconds  # type: ignore[attr-defined]
+            while True:
+                with trio.move_on_after(keepalive) as idle:
+                    try:
+                        event = await inbox.receive()
+                    except trio.EndOfChannel:
+                        break
+                if idle.cancelled_caught:
+                    await outbox.send(WireFrame(b"".join(encoder.keepalive())))
+                    continue
+                builder.add(event)
+                frames = encoder.encode(event)
+                if frames:
+                    await outbox.send(WireFrame(b"".join(frames)))
+            result = builder.result()
+            await self.finished(result, self.codec.encode_final(result))
+            return
+        async for event in inbox:
+            builder.add(event)
+        result = builder.result()
+        body = self.codec.encode_final(result)
+        await outbox.send(json_frame(body))
+        await self.finished(result, body)
