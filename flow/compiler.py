@@ -321,10 +321,13 @@ class _Compiler:
                     self.error(f"{path}.exit", f"{exit_id!r} ({exit_stage.type_name}) is not an exit stage",
                                "name a stage that formats responses, e.g. openai.chat.format")
                     continue
-                if not acyclic or sid not in graph or exit_id not in nx.descendants(graph, sid):
+                if exit_id == sid:  # a stage that answers by itself (e.g. GET /v1/responses/{id})
+                    on_path = {sid}
+                elif not acyclic or sid not in graph or exit_id not in nx.descendants(graph, sid):
                     self.error(f"{path}.exit", f"exit {exit_id!r} is not reachable from {sid!r} through inputs")
                     continue
-                on_path = ({sid} | nx.descendants(graph, sid)) & ({exit_id} | nx.ancestors(graph, exit_id))
+                else:
+                    on_path = ({sid} | nx.descendants(graph, sid)) & ({exit_id} | nx.ancestors(graph, exit_id))
                 sub = graph.subgraph(on_path)
                 order = tuple(nx.topological_sort(sub))
                 for text in texts:

@@ -45,6 +45,7 @@ def _load() -> None:
     _loaded = True
     importlib.import_module("stages")
     importlib.import_module("flow.resources")
+    importlib.import_module("flow.response_store")
     for ep in entry_points(group="flow.stages"):
         try:
             ep.load()

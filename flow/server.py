@@ -22,6 +22,7 @@ the stream. Nothing reaches a client as a traceback, and the server stays up.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -181,6 +182,17 @@ class FlowServer:
             "models": [self._model_health(m) for m in self.models],
         }
 
+    def stats_json(self) -> dict[str, Any]:
+        """Everything observable: requests, models with their engines, and resources that keep stats."""
+        health = self.health_json()
+        return {
+            "graph": self.graph.name,
+            "uptime_seconds": health["uptime_seconds"],
+            "requests": health["requests"],
+            "models": {m["id"]: m for m in health["models"]},
+            "resources": {rid: res.stats() for rid, res in self.resources.items() if hasattr(res, "stats")},
+        }
+
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
         out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None}
@@ -212,14 +224,14 @@ def create_app(server: FlowServer) -> QuartTrio:
     def route_view(runner: RouteRunner) -> Callable[[], Awaitable[Response]]:
         exit_cls: type[ExitStage[Any, Any]] = server.graph.stages[runner.route.exit].cls  # type: ignore[assignment]
 
-        async def view() -> Response:
+        async def view(**params: str) -> Response:
             if api_key is not None and not _key_ok(api_key):
                 frame = exit_cls.error_response(ApiError("authentication", "Invalid or missing API key."))
                 return Response(frame.data, status=frame.status, headers=list(frame.headers))
             http = HttpRequest(
                 method=request.method, path=request.path, query=request.query_string.decode("latin-1"),
                 headers=tuple(request.headers.items()), body=await request.get_data(cache=False),
-                request_id=uuid.uuid4().hex[:24],
+                request_id=uuid.uuid4().hex[:24], params=tuple(params.items()),
             )
             return await server.respond(runner, http, app.nursery)
 
@@ -227,7 +239,7 @@ def create_app(server: FlowServer) -> QuartTrio:
         return view
 
     for (method, path), runner in server.runners.items():
-        app.add_url_rule(path, endpoint=f"{runner.route.entry}:{method}:{path}", view_func=route_view(runner),
+        app.add_url_rule(quart_rule(path), endpoint=f"{runner.route.entry}:{method}:{path}", view_func=route_view(runner),
                          methods=[method])
 
     @app.route("/", methods=["GET", "HEAD"])
@@ -238,6 +250,10 @@ def create_app(server: FlowServer) -> QuartTrio:
     async def health() -> Response:
         body = server.health_json()
         return _json(body, 200 if body["status"] == "ok" else 503)
+
+    @app.route("/stats", methods=["GET"])
+    async def stats() -> Response:
+        return _json(server.stats_json())
 
     @app.route("/v1/models", methods=["GET"])
     async def models() -> Response:
@@ -270,6 +286,11 @@ def create_app(server: FlowServer) -> QuartTrio:
         server.close()
 
     return app
+
+
+def quart_rule(path: str) -> str:
+    """Graph routes write path parameters as ``{name}``; Quart wants ``<name>``."""
+    return re.sub(r"\{(\w+)\}", r"<\1>", path)
 
 
 def _key_ok(expected: str) -> bool:

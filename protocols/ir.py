@@ -186,6 +186,7 @@ class ResponseStarted:
     request: ChatRequest
     prompt_tokens: int
     cached_tokens: int = 0
+    prompt_text: str = ""  # the prompt as text (legacy completions echo it)
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ class FinalResult:
     usage: Usage
     stop_sequence: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -299,5 +301,6 @@ class ResultBuilder:
             usage=self.finished.usage,
             stop_sequence=self.finished.stop_sequence,
             logprobs=tuple(self.logprobs),
+            prompt_text=self.started.prompt_text,
         )
 

@@ -77,11 +77,10 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionBody(_Lenient):
+class OpenAISamplingFields(_Lenient):
+    """The sampling and streaming fields chat completions and legacy completions share."""
+
     model: str = Field(min_length=1)
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
@@ -90,16 +89,12 @@ class ChatCompletionBody(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -118,6 +113,40 @@ class ChatCompletionBody(_Lenient):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias for token {key} must be between -100 and 100")
         return value
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ApiError("invalid_request", f"'n' must be 1 (got {self.n}); ask for several completions "
+                           "as separate requests.", param="n")
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            logprobs=logprobs,
+        )
+
+
+class ChatCompletionBody(OpenAISamplingFields):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _content_text(content: str | list[Any] | None, where: str) -> str:
@@ -182,34 +211,16 @@ def _message(msg: ChatMessageIn, index: int) -> Message:
 def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatRequest:
     """Validate an OpenAI chat body and map it to the protocol-neutral request."""
     parsed = parse_json_body(ChatCompletionBody, body)
-    if parsed.n != 1:
-        raise ApiError(
-            "invalid_request", f"'n' must be 1 (got {parsed.n}); ask for several completions "
-            "as separate requests.", param="n",
-        )
-    stops = [parsed.stop] if isinstance(parsed.stop, str) else list(parsed.stop or [])
-    sampling = SamplingParams(
-        temperature=1.0 if parsed.temperature is None else parsed.temperature,
-        top_p=1.0 if parsed.top_p is None else parsed.top_p,
-        top_k=parsed.top_k or 0,
-        min_p=parsed.min_p or 0.0,
-        repetition_penalty=parsed.repetition_penalty,
-        presence_penalty=parsed.presence_penalty,
-        frequency_penalty=parsed.frequency_penalty,
-        seed=parsed.seed,
-        logit_bias=tuple((int(k), v) for k, v in (parsed.logit_bias or {}).items()),
-        logprobs=(parsed.top_logprobs or 0) if parsed.logprobs else None,
-    )
     if parsed.top_logprobs and not parsed.logprobs:
         raise ApiError("invalid_request", "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     return ChatRequest(
         model=parsed.model,
         messages=tuple(_message(m, i) for i, m in enumerate(parsed.messages)),
         max_tokens=parsed.max_completion_tokens or parsed.max_tokens,
-        sampling=sampling,
-        stop=tuple(stops),
+        sampling=parsed.sampling((parsed.top_logprobs or 0) if parsed.logprobs else None),
+        stop=parsed.stops(),
         stream=parsed.stream,
-        include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+        include_usage=parsed.include_usage,
         tools=tuple(parsed.tools or ()),
         chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),
         request_id=request_id,

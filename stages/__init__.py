@@ -1,5 +1,5 @@
 """Built-in stage types; importing this package registers them."""
 
-from stages import anthropic, chat, generate, openai_chat
+from stages import anthropic, chat, generate, openai_chat, openai_completions, openai_responses
 
-__all__ = ["anthropic", "chat", "generate", "openai_chat"]
+__all__ = ["anthropic", "chat", "generate", "openai_chat", "openai_completions", "openai_responses"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import trio
@@ -27,6 +28,8 @@ from protocols.ir import (
 )
 from protocols.stops import StopMatcher
 
+log = logging.getLogger("flow.stages.chat")
+
 
 class ModelStageConfig(StageConfig):
     models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
@@ -51,28 +54,50 @@ def render_prompt(tokenizer: Any, request: ChatRequest) -> str:
     return str(text)
 
 
+class PrepareConfig(ModelStageConfig):
+    stop_tokens: list[str] = Field(
+        default_factory=list,
+        description="extra tokens that end generation (e.g. end-of-turn tokens the tokenizer config omits)")
+
+
 @register_stage
 class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
     type_name: ClassVar[str] = "chat.prepare"
     input_type: ClassVar[Any] = ChatRequest
     output_type: ClassVar[Any] = PreparedPrompt
-    Config = ModelStageConfig
+    Config = PrepareConfig
     resource_fields = {"models": "model"}
     description = "applies the model's chat template, tokenizes, sets stop tokens and the token budget"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.models = ModelSet.from_resources(self.resources)
+        self._stop_ids: dict[str, frozenset[int]] = {}
+
+    def stop_ids(self, model: str, tokenizer: Any) -> frozenset[int]:
+        """The tokenizer's end tokens plus the configured extra ones (resolved once per model)."""
+        found = self._stop_ids.get(model)
+        if found is None:
+            extra: set[int] = set()
+            for token in self.config.stop_tokens:  # type: ignore[attr-defined]
+                token_id = tokenizer.convert_tokens_to_ids(token)
+                if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
+                    log.warning("stage %s: stop token %r is not in model %s's vocabulary", self.id, token, model)
+                    continue
+                extra.add(int(token_id))
+            found = self._stop_ids[model] = frozenset(tokenizer.eos_token_ids) | extra
+        return found
 
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
         resource = self.models.lookup(request.model)
         loaded = resource.require()
         tokenizer = loaded.tokenizer
         if isinstance(request.prompt, tuple):
-            text, ids = "", request.prompt
+            ids = request.prompt
             if any(not 0 <= t < loaded.vocab_size for t in ids):
                 raise ApiError("invalid_request", f"Token ids in 'prompt' must be between 0 and "
                                f"{loaded.vocab_size - 1}.", param="prompt")
+            text = tokenizer.decode(list(ids))
         elif isinstance(request.prompt, str):
             # A raw prompt gets the tokenizer's own special tokens (BOS), as in mlx-lm's server.
             text = request.prompt
@@ -103,7 +128,7 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
                 )
             max_tokens = min(resource.config.default_max_tokens, room)
         return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
-                              stop_token_ids=frozenset(tokenizer.eos_token_ids), max_tokens=max_tokens, text=text)
+                              stop_token_ids=self.stop_ids(resource.name, tokenizer), max_tokens=max_tokens, text=text)
 
     async def run(self, inbox: trio.MemoryReceiveChannel[ChatRequest], outbox: Outbox[PreparedPrompt]) -> None:
         async for request in inbox:
@@ -140,7 +165,7 @@ class ChatProcess(Stage[Generation, StreamEvent]):
         tokenizer = self.models.lookup(prompt.model).require().tokenizer
         detokenizer = tokenizer.detokenizer
         stops = StopMatcher(prompt.request.stop)
-        await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens))
+        await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text))
         completion_tokens = 0
         async for chunk in inbox:
             assert isinstance(chunk, TokenChunk)

@@ -1,0 +1,493 @@
+"""OpenAI Responses: request schema, decoding to IR, the event chain, error shapes.
+
+A Responses request is a list of *items* rather than messages. Decoding folds
+them into chat-template messages: ``message`` items keep their role,
+``function_call`` items join the preceding assistant message as
+``tool_calls``, ``function_call_output`` items become ``tool`` messages, and a
+``reasoning`` item becomes the next assistant message's ``reasoning_content``.
+``instructions`` become a leading system message that, as in the real API, is
+*not* carried into the next turn; ``previous_response_id`` prepends the stored
+conversation of an earlier response (resolved by the caller, so this module
+stays free of I/O).
+
+Encoding is :class:`ResponsesStreamEncoder`: it numbers every event
+(``sequence_number``), opens an output item when the kind of event changes
+(reasoning → message → function calls), closes it with its ``…done`` events,
+and ends with ``response.completed`` (``response.incomplete`` after a length
+stop) carrying the whole response, whose ``output`` is exactly the items the
+stream announced. Codex reads conversation items only from
+``response.output_item.done``, so every item is complete there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols.errors import STATUS, ApiError
+from protocols.ir import (
+    ChatRequest,
+    FinalResult,
+    Message,
+    ReasoningDelta,
+    ResponseFinished,
+    ResponseStarted,
+    SamplingParams,
+    StreamEvent,
+    TextDelta,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from protocols.openai_chat import error_body, error_json
+from protocols.sse import event_frame
+from protocols.validation import parse_json_body
+
+MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
+ECHO = "responses.echo"  # request fields echoed back in the response object
+HISTORY_START = "responses.history_start"  # index of the first message that belongs to the conversation
+
+# --------------------------------------------------------------------------- request
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class InputItem(_Lenient):
+    type: str = "message"  # message items may omit it
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    input: str | None = None  # custom tool calls carry free-form input
+    output: str | list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None
+
+
+class ToolIn(_Lenient):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ReasoningIn(_Lenient):
+    effort: str | None = None
+
+
+class ResponsesBody(_Lenient):
+    model: str = Field(min_length=1)
+    input: str | list[InputItem] = ""
+    instructions: str | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    reasoning: ReasoningIn | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def _parts_text(content: str | list[ContentPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.text is not None:
+            texts.append(part.text)
+        elif part.type in ("input_image", "input_file", "input_audio"):
+            texts.append(MEDIA_MARKER.format(kind=part.type.removeprefix("input_")))
+    return "".join(texts)
+
+
+def _arguments(text: str | None, where: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        raise ApiError("invalid_request", f"'{where}' must be a JSON object string.", param=where) from None
+    if not isinstance(parsed, dict):
+        raise ApiError("invalid_request", f"'{where}' must encode a JSON object.", param=where)
+    return parsed
+
+
+class _Conversation:
+    """Builds template messages from Responses items, in order."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self._reasoning: list[str] = []
+        self._names: dict[str, str] = {}
+
+    def message(self, role: str, content: str) -> None:
+        extra: tuple[tuple[str, Any], ...] = ()
+        if role == "assistant" and self._reasoning:
+            extra = (("reasoning_content", "\n".join(self._reasoning)),)
+            self._reasoning = []
+        self.messages.append(Message(role, content, extra=extra))  # type: ignore[arg-type]
+
+    def call(self, call_id: str, name: str, arguments: dict[str, Any]) -> None:
+        self._names[call_id] = name
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        last = self.messages[-1] if self.messages else None
+        if last is None or last.role != "assistant":
+            self.message("assistant", "")
+            last = self.messages[-1]
+        extra = dict(last.extra)
+        extra["tool_calls"] = [*extra.get("tool_calls", []), call]
+        self.messages[-1] = Message("assistant", last.content, extra=tuple(extra.items()))
+
+    def output(self, call_id: str, text: str) -> None:
+        self.messages.append(Message("tool", text, name=self._names.get(call_id),
+                                     extra=(("tool_call_id", call_id),)))
+
+    def reasoning(self, text: str) -> None:
+        if text:
+            self._reasoning.append(text)
+
+
+def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
+    if isinstance(body.input, str):
+        if body.input:
+            conv.message("user", body.input)
+        return
+    for i, item in enumerate(body.input):
+        where = f"input[{i}]"
+        if item.type == "message":
+            if item.role is None:
+                raise ApiError("invalid_request", f"'{where}.role' is required for a message item.",
+                               param=f"{where}.role")
+            conv.message(item.role, _parts_text(item.content))
+        elif item.type in ("function_call", "custom_tool_call"):
+            if not item.call_id or not item.name:
+                raise ApiError("invalid_request", f"'{where}' needs 'call_id' and 'name'.", param=where)
+            arguments = (_arguments(item.arguments, f"{where}.arguments") if item.type == "function_call"
+                         else {"input": item.input or ""})
+            conv.call(item.call_id, item.name, arguments)
+        elif item.type in ("function_call_output", "custom_tool_call_output"):
+            if not item.call_id:
+                raise ApiError("invalid_request", f"'{where}.call_id' is required.", param=f"{where}.call_id")
+            conv.output(item.call_id, _parts_text(item.output))
+        elif item.type == "reasoning":
+            conv.reasoning(_parts_text(item.content) or _parts_text(item.summary))
+        # Other item types (item_reference, web_search_call, …) describe work of built-in
+        # tools that this server does not run; they carry nothing a template can use.
+
+
+def _tools(body: ResponsesBody) -> tuple[dict[str, Any], ...]:
+    out = []
+    for tool in body.tools or ():
+        if tool.type != "function" or not tool.name:
+            continue  # built-in tools (web_search, file_search, local_shell, …) are not served here
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}
+        if tool.description:
+            function["description"] = tool.description
+        out.append({"type": "function", "function": function})
+    return tuple(out)
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if choice is None or isinstance(choice, str):
+        if choice not in (None, "auto", "none", "required"):
+            raise ApiError("invalid_request", f"'tool_choice' must be 'auto', 'none', 'required' or "
+                           f"{{'type': 'function', 'name': …}}, not {choice!r}.", param="tool_choice")
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"name": choice["name"]}
+    return "auto"  # a built-in tool choice: nothing here to force
+
+
+PreviousLookup = Callable[[str], tuple[Message, ...] | None]
+
+
+def decode_responses_request(body: bytes, request_id: str, created: int, previous: PreviousLookup) -> ChatRequest:
+    """Validate a Responses body and map it to the IR; ``previous`` resolves a stored conversation."""
+    parsed = parse_json_body(ResponsesBody, body)
+    conv = _Conversation()
+    if parsed.instructions:
+        conv.messages.append(Message("system", parsed.instructions))
+    start = len(conv.messages)
+    if parsed.previous_response_id is not None:
+        history = previous(parsed.previous_response_id)
+        if history is None:
+            raise ApiError("not_found", f"Previous response with id '{parsed.previous_response_id}' not found "
+                           "(unknown, expired, or stored with store=false).", param="previous_response_id")
+        conv.messages.extend(history)
+    _convert_input(parsed, conv)
+    if len(conv.messages) == start and not parsed.previous_response_id:
+        raise ApiError("invalid_request", "'input' must contain at least one item.", param="input")
+    effort = parsed.reasoning.effort if parsed.reasoning else None
+    sampling = SamplingParams(
+        temperature=1.0 if parsed.temperature is None else parsed.temperature,
+        top_p=1.0 if parsed.top_p is None else parsed.top_p,
+    )
+    echo = {
+        "instructions": parsed.instructions, "max_output_tokens": parsed.max_output_tokens,
+        "parallel_tool_calls": parsed.parallel_tool_calls, "previous_response_id": parsed.previous_response_id,
+        "reasoning": {"effort": effort, "summary": None}, "store": parsed.store,
+        "temperature": sampling.temperature, "top_p": sampling.top_p,
+        "tool_choice": parsed.tool_choice if parsed.tool_choice is not None else "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in parsed.tools or () if t.type == "function"],
+        "metadata": parsed.metadata or {}, "user": parsed.user,
+    }
+    return ChatRequest(
+        model=parsed.model,
+        messages=tuple(conv.messages),
+        max_tokens=parsed.max_output_tokens,
+        sampling=sampling,
+        stream=parsed.stream,
+        include_usage=True,
+        tools=_tools(parsed),
+        tool_choice=_tool_choice(parsed.tool_choice),
+        parallel_tool_calls=parsed.parallel_tool_calls,
+        thinking=None if effort is None else effort not in ("none", "minimal"),
+        request_id=request_id,
+        created=created,
+        user=parsed.user,
+        extensions=((ECHO, echo), (HISTORY_START, start)),
+    )
+
+
+def conversation_after(result: FinalResult) -> tuple[Message, ...]:
+    """The conversation a later ``previous_response_id`` continues: this request's messages
+    (without its instructions) and the assistant turn it produced."""
+    request = result.request
+    history = request.messages[request.extension(HISTORY_START, 0):]
+    extra: list[tuple[str, Any]] = []
+    if result.reasoning:
+        extra.append(("reasoning_content", result.reasoning))
+    if result.tool_calls:
+        extra.append(("tool_calls", [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments, "x")}}
+            for c in result.tool_calls]))
+    return (*history, Message("assistant", result.text, extra=tuple(extra)))
+
+
+# --------------------------------------------------------------------------- response
+
+
+def response_id(request: ChatRequest) -> str:
+    return f"resp_{request.request_id}"
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def response_json(request: ChatRequest, output: list[dict[str, Any]], *, status: str,
+                  usage: Usage | None = None, completed_at: int | None = None) -> dict[str, Any]:
+    echo = request.extension(ECHO, {})
+    return {
+        "id": response_id(request),
+        "object": "response",
+        "created_at": request.created,
+        "status": status,
+        "completed_at": completed_at,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "model": request.model,
+        "output": output,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "usage": usage_json(usage) if usage is not None else None,
+        **echo,
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text)]
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments}
+
+
+def _final_status(finish_reason: str) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def encode_response(result: FinalResult) -> dict[str, Any]:
+    """The non-streaming response object."""
+    rid = result.request.request_id
+    output: list[dict[str, Any]] = []
+    if result.reasoning:
+        output.append(_reasoning_item(f"rs_{rid}_0", result.reasoning, "completed"))
+    if result.text or not result.tool_calls:
+        output.append(_message_item(f"msg_{rid}_{len(output)}", result.text, "completed"))
+    for call in result.tool_calls:
+        output.append(_call_item(f"fc_{rid}_{len(output)}", call, "completed"))
+    status = _final_status(result.finish_reason)
+    return response_json(result.request, output, status=status, usage=result.usage,
+                         completed_at=result.request.created)
+
+
+class ResponsesStreamEncoder:
+    """Encodes stream events as the Responses event chain, numbering every event."""
+
+    def __init__(self, started: ResponseStarted) -> None:
+        self.request = started.request
+        self._seq = 0
+        self._output: list[dict[str, Any]] = []  # finished items, in order
+        self._open: str | None = None  # "reasoning" | "message" | "function_call"
+        self._text: list[str] = []
+        self._call: ToolCall | None = None
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        frame = event_frame(kind, {"type": kind, "sequence_number": self._seq, **fields})
+        self._seq += 1
+        return frame
+
+    def start(self) -> list[bytes]:
+        body = response_json(self.request, [], status="in_progress")
+        return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
+
+    def keepalive(self) -> list[bytes]:
+        return [SSE_COMMENT_KEEPALIVE]
+
+    @property
+    def _index(self) -> int:
+        return len(self._output)
+
+    def _item_id(self, prefix: str) -> str:
+        return f"{prefix}_{self.request.request_id}_{self._index}"
+
+    def _begin(self, kind: str, item: dict[str, Any]) -> list[bytes]:
+        frames = self._close()
+        self._open, self._text = kind, []
+        frames.append(self._event("response.output_item.added", output_index=self._index, item=item))
+        return frames
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        text, index = "".join(self._text), self._index
+        frames = []
+        if self._open == "reasoning":
+            item_id = self._item_id("rs")
+            frames.append(self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                                      content_index=0, text=text))
+            frames.append(self._event("response.content_part.done", item_id=item_id, output_index=index,
+                                      content_index=0, part={"type": "reasoning_text", "text": text}))
+            item = _reasoning_item(item_id, text, "completed")
+        elif self._open == "message":
+            item_id = self._item_id("msg")
+            frames.append(self._event("response.output_text.done", item_id=item_id, output_index=index,
+                                      content_index=0, text=text, logprobs=[]))
+            frames.append(self._event("response.content_part.done", item_id=item_id, output_index=index,
+                                      content_index=0, part=_output_text(text)))
+            item = _message_item(item_id, text, "completed")
+        else:
+            assert self._call is not None
+            item_id = self._item_id("fc")
+            call = ToolCall(self._call.id, self._call.name, text or "{}")
+            frames.append(self._event("response.function_call_arguments.done", item_id=item_id,
+                                      output_index=index, name=call.name, arguments=call.arguments))
+            item = _call_item(item_id, call, "completed")
+        frames.append(self._event("response.output_item.done", output_index=index, item=item))
+        self._output.append(item)
+        self._open = None
+        return frames
+
+    def _open_text(self, kind: str) -> list[bytes]:
+        """Open a reasoning or message item with its one content part."""
+        if kind == "reasoning":
+            item_id = self._item_id("rs")
+            frames = self._begin(kind, _reasoning_item(item_id, "", "in_progress"))
+            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+        else:
+            item_id = self._item_id("msg")
+            frames = self._begin(kind, _message_item(item_id, None, "in_progress"))
+            part = _output_text("")
+        frames.append(self._event("response.content_part.added", item_id=item_id, output_index=self._index,
+                                  content_index=0, part=part))
+        return frames
+
+    def _text_delta(self, kind: str, text: str) -> list[bytes]:
+        frames = [] if self._open == kind else self._open_text(kind)
+        self._text.append(text)
+        if kind == "reasoning":
+            frames.append(self._event("response.reasoning_text.delta", item_id=self._item_id("rs"),
+                                      output_index=self._index, content_index=0, delta=text))
+        else:
+            frames.append(self._event("response.output_text.delta", item_id=self._item_id("msg"),
+                                      output_index=self._index, content_index=0, delta=text, logprobs=[]))
+        return frames
+
+    def encode(self, event: StreamEvent) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            return self._text_delta("message", event.text) if event.text else []
+        if isinstance(event, ReasoningDelta):
+            return self._text_delta("reasoning", event.text) if event.text else []
+        if isinstance(event, ToolCallDelta):
+            frames: list[bytes] = []
+            if event.id is not None:
+                self._call = ToolCall(event.id, event.name or "", "")
+                frames = self._begin("function_call", _call_item(self._item_id("fc"), self._call, "in_progress"))
+            if event.arguments and self._open == "function_call":
+                self._text.append(event.arguments)
+                frames.append(self._event("response.function_call_arguments.delta", item_id=self._item_id("fc"),
+                                          output_index=self._index, delta=event.arguments))
+            return frames
+        if isinstance(event, ResponseFinished):
+            frames = self._close()
+            if not self._output:  # an empty answer is still one (empty) message
+                frames += self._open_text("message") + self._close()
+            status = _final_status(event.finish_reason)
+            body = response_json(self.request, self._output, status=status, usage=event.usage,
+                                 completed_at=self.request.created)
+            kind = "response.incomplete" if status == "incomplete" else "response.completed"
+            frames.append(self._event(kind, response=body))
+            return frames
+        return []
+
+
+# --------------------------------------------------------------------------- errors
+
+def error_frames(error: ApiError) -> list[bytes]:
+    # An ``error`` event (the stream's state is unknown here, so it carries no sequence of its own).
+    inner = error_json(error)["error"]
+    return [event_frame("error", {"type": "error", "sequence_number": 0, "code": inner["code"] or inner["type"],
+                                  "message": inner["message"], "param": inner["param"]})]
+
+
+class ResponsesCodec:
+    stream_encoder = staticmethod(ResponsesStreamEncoder)
+    encode_final = staticmethod(encode_response)
+    error_body = staticmethod(error_body)
+    error_frames = staticmethod(error_frames)
+
+    @staticmethod
+    def error_status(error: ApiError) -> int:
+        return STATUS[error.kind]

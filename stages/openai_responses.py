@@ -1,0 +1,109 @@
+"""The OpenAI Responses stages: ``POST /v1/responses`` and ``GET|DELETE /v1/responses/{id}``.
+
+Decode and format share one ``response_store`` resource: the format stage
+stores each finished response (unless the request said ``store: false``), the
+decode stage resolves ``previous_response_id`` from it, and the retrieve stage
+answers GET and DELETE by itself (it is its route's entry and exit).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import trio
+
+from flow.registry import register_stage
+from flow.response_store import ResponseStore
+from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from protocols import openai_responses
+from protocols.errors import ApiError
+from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message, WireFrame
+from stages.protocol import FormatConfig, ProtocolDecode, ProtocolFormat, json_frame
+
+
+class StoreConfig(StageConfig):
+    store: str | None = None  # the response_store resource (default: the graph's only one)
+
+
+class StoreFormatConfig(FormatConfig):
+    store: str | None = None
+
+
+def _store(resources: Any) -> ResponseStore:
+    return next(r for r in resources.values() if isinstance(r, ResponseStore))
+
+
+@register_stage
+class OpenAIResponsesDecode(ProtocolDecode):
+    type_name: ClassVar[str] = "openai.responses.decode"
+    description = "validates a Responses body (items, tools, previous_response_id) into a chat request"
+    Config = StoreConfig
+    resource_fields = {"store": "response_store"}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = _store(self.resources)
+
+    def _previous(self, response_id: str) -> tuple[Message, ...] | None:
+        entry = self.store.get(response_id)
+        return None if entry is None else entry.conversation
+
+    def decode(self, http: HttpRequest, created: int) -> ChatRequest:
+        return openai_responses.decode_responses_request(http.body, http.request_id, created, self._previous)
+
+
+@register_stage
+class OpenAIResponsesFormat(ProtocolFormat):
+    type_name: ClassVar[str] = "openai.responses.format"
+    description = "encodes events as a Responses object or its numbered event chain; stores the result"
+    codec = openai_responses.ResponsesCodec
+    Config = StoreFormatConfig
+    resource_fields = {"store": "response_store"}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = _store(self.resources)
+
+    async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
+        if result.request.extension(openai_responses.ECHO, {}).get("store", True):
+            self.store.put(body["id"], body, openai_responses.conversation_after(result))
+
+
+@register_stage
+class OpenAIResponsesRetrieve(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
+    type_name: ClassVar[str] = "openai.responses.retrieve"
+    input_type: ClassVar[Any] = HttpRequest
+    output_type: ClassVar[Any] = WireFrame
+    description = "GET returns a stored response, DELETE forgets it (route parameter: response_id)"
+    Config = StoreConfig
+    resource_fields = {"store": "response_store"}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.store = _store(self.resources)
+
+    @classmethod
+    def error_response(cls, error: ApiError) -> WireFrame:
+        return OpenAIResponsesFormat.error_response(error)
+
+    @classmethod
+    def error_frames(cls, error: ApiError) -> list[WireFrame]:
+        return [cls.error_response(error)]
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
+        async for http in inbox:
+            response_id = http.param("response_id")
+            if http.method == "DELETE":
+                if not self.store.delete(response_id):
+                    raise self._not_found(response_id)
+                await outbox.send(json_frame({"id": response_id, "object": "response", "deleted": True}))
+                continue
+            entry = self.store.get(response_id)
+            if entry is None:
+                raise self._not_found(response_id)
+            await outbox.send(json_frame(entry.body))
+
+    @staticmethod
+    def _not_found(response_id: str) -> ApiError:
+        return ApiError("not_found", f"Response with id '{response_id}' not found (unknown, expired, or "
+                        "created with store=false).", param="response_id")
