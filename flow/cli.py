@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="local model directory or Hugging Face repo id (replaces the graph's model)")
     p.add_argument("--host", help="address to listen on (default: the graph's, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: the graph's, 8080)")
-    p.add_argument("--api-key", help="require this key (x-api-key or Authorization: Bearer)")
+    p.add_argument("--api-key", default=os.environ.get("FLOW_API_KEY") or None,
+                   help="require this key on every API route (x-api-key or Authorization: Bearer); "
+                        "default: $FLOW_API_KEY, else the graph's server.api_key, else none")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check", help="compile graph files and report every error")
