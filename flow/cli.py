@@ -129,6 +129,43 @@ def cmd_stages(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace) -> int:
+    from flow import blas
+    from flow.capabilities import CapabilityStore
+    from flow.families import FamilyError
+    from flow.probe import probe
+    from runtime.models import ModelNotAvailable
+
+    store = CapabilityStore(Path(args.db) if args.db else None)
+    if args.list:
+        for caps in store.all():
+            print(f"{caps.model}: family {caps.family}, tools {caps.tool_delivery}/{caps.tool_parser}"
+                  f"{' (verified)' if caps.tool_calls_verified else ''}, reasoning {caps.reasoning_parser}, "
+                  f"thinking toggle {'yes' if caps.thinking else 'no'}, context {caps.context_length}")
+        return 0
+    if not args.model:
+        print("flow probe: name a model (directory or hub id), or use --list", file=sys.stderr)
+        return 2
+    blas.advise()
+    try:
+        caps = probe(args.model, family_choice=args.family, max_tokens=args.max_tokens, store=store)
+    except ModelNotAvailable as exc:
+        print(f"flow: cannot load the model.\n{exc}", file=sys.stderr)
+        return 2
+    except FamilyError as exc:
+        print(f"flow probe: {exc}", file=sys.stderr)
+        return 2
+    smoke = " (SMOKE-TEST MODEL: random weights, its answers mean nothing)" if caps.evidence.get("smoke_test") else ""
+    print(f"model:           {caps.model}{smoke}")
+    print(f"family:          {caps.family} (detected {caps.evidence['detected_family']})")
+    print(f"tool delivery:   {caps.tool_delivery}")
+    print(f"tool parser:     {caps.tool_parser} ({'a generated call parsed' if caps.tool_calls_verified else 'no call seen in the probe answer; family default kept'})")
+    print(f"reasoning:       {caps.reasoning_parser}; thinking toggle: {'yes' if caps.thinking else 'no'}")
+    print(f"context length:  {caps.context_length}")
+    print(f"stored in:       {store.path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from flow.bench import main as bench_main
 
@@ -149,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require this key on every API route (x-api-key or Authorization: Bearer); "
                         "default: $FLOW_API_KEY, else the graph's server.api_key, else none")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("probe", help="find out how a model takes tools and thinking; remember it for serving")
+    p.add_argument("model", nargs="?", help="local model directory, Hugging Face repo id, or tiny:PRESET")
+    p.add_argument("--family", default="auto", help="family to start from (default: detect)")
+    p.add_argument("--max-tokens", type=int, default=160, help="tokens per probe answer (default 160)")
+    p.add_argument("--db", help="capability database (default: the user data directory)")
+    p.add_argument("--list", action="store_true", help="list what earlier probes recorded")
+    p.set_defaults(func=cmd_probe)
 
     p = sub.add_parser("check", help="compile graph files and report every error")
     p.add_argument("graphs", nargs="+")

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import trio
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from flow.capabilities import CapabilityStore, family_from_capabilities
+from flow.families import Family, builtin_families, resolve_family
 from flow.registry import register_resource
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
@@ -36,6 +38,15 @@ class ModelConfig(ResourceConfig):
     max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
     prefill_chunk: int = Field(default=512, ge=16, description="prompt tokens prefilled per engine step")
     default_max_tokens: int = Field(default=2048, ge=1, description="max_tokens when a request gives none")
+    family: str = Field(default="auto", description="model family (graphs/families/*.toml), or auto-detect")
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, value: str) -> str:
+        known = builtin_families()
+        if value != "auto" and value not in known:
+            raise ValueError(f"unknown family {value!r}; valid: auto, {', '.join(sorted(known))}")
+        return value
 
 
 @register_resource
@@ -49,6 +60,7 @@ class ModelResource:
         self.config = config
         self.name = config.name or resource_id
         self.loaded: LoadedModel | None = None
+        self.family: Family = builtin_families()["default"]
 
     @property
     def ids(self) -> list[str]:
@@ -59,7 +71,12 @@ class ModelResource:
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk)
         started = time.perf_counter()
         self.loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config)
-        log.info("model %s ready (%.1f s)%s", self.name, time.perf_counter() - started,
+        # A probed model is served as the probe showed works; others by family detection.
+        probed = CapabilityStore().get(path) if self.config.family == "auto" else None
+        self.family = (family_from_capabilities(probed, builtin_families()) if probed is not None else
+                       resolve_family(self.config.family, path, f"{self.name} {self.config.path}",
+                                      getattr(self.loaded.tokenizer, "chat_template", None)))
+        log.info("model %s ready (%.1f s, family %s)%s", self.name, time.perf_counter() - started, self.family.name,
                  " — SMOKE-TEST MODEL: random weights, output is gibberish" if self.loaded.smoke_test else "")
 
     def close(self) -> None:

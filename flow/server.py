@@ -195,7 +195,8 @@ class FlowServer:
 
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None}
+        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
+                               "family": model.family.name}
         if model.loaded is not None:
             engine = model.loaded.engine
             s = engine.stats

@@ -422,13 +422,14 @@ class ResponsesStreamEncoder:
 
     def _open_text(self, kind: str) -> list[bytes]:
         """Open a reasoning or message item with its one content part."""
+        frames = self._close()  # first: the new item's index depends on it
         if kind == "reasoning":
             item_id = self._item_id("rs")
-            frames = self._begin(kind, _reasoning_item(item_id, "", "in_progress"))
+            frames += self._begin(kind, _reasoning_item(item_id, "", "in_progress"))
             part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
         else:
             item_id = self._item_id("msg")
-            frames = self._begin(kind, _message_item(item_id, None, "in_progress"))
+            frames += self._begin(kind, _message_item(item_id, None, "in_progress"))
             part = _output_text("")
         frames.append(self._event("response.content_part.added", item_id=item_id, output_index=self._index,
                                   content_index=0, part=part))
@@ -454,7 +455,8 @@ class ResponsesStreamEncoder:
             frames: list[bytes] = []
             if event.id is not None:
                 self._call = ToolCall(event.id, event.name or "", "")
-                frames = self._begin("function_call", _call_item(self._item_id("fc"), self._call, "in_progress"))
+                frames = self._close()
+                frames += self._begin("function_call", _call_item(self._item_id("fc"), self._call, "in_progress"))
             if event.arguments and self._open == "function_call":
                 self._text.append(event.arguments)
                 frames.append(self._event("response.function_call_arguments.delta", item_id=self._item_id("fc"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, ClassVar
 
@@ -9,6 +10,7 @@ import trio
 from jinja2 import TemplateError
 from pydantic import Field
 
+from flow.families import Family
 from flow.registry import register_stage
 from flow.resources import ModelSet
 from flow.stage import Outbox, Stage, StageConfig
@@ -24,9 +26,12 @@ from protocols.ir import (
     TextDelta,
     TokenChunk,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
 )
+from protocols.parsers import REASONING_PARSERS, StreamParser, make_response_parser
 from protocols.stops import StopMatcher
+from stages.templating import template_inputs
 
 log = logging.getLogger("flow.stages.chat")
 
@@ -35,19 +40,16 @@ class ModelStageConfig(StageConfig):
     models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
 
 
-def render_prompt(tokenizer: Any, request: ChatRequest) -> str:
-    """Apply the model's chat template (or a plain fallback when it has none)."""
-    messages = [m.to_template() for m in request.messages]
-    if getattr(tokenizer, "chat_template", None) is None:
+def render_prompt(tokenizer: Any, request: ChatRequest, family: Family) -> str:
+    """Apply the model's chat template, adapted to its family (or a plain fallback without one)."""
+    template = getattr(tokenizer, "chat_template", None)
+    messages, tools, kwargs = template_inputs(request, family, template)
+    if template is None:
         turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return turns + "assistant: "
-    kwargs = dict(request.chat_template_kwargs)
-    if request.thinking is not None:
-        kwargs.setdefault("enable_thinking", request.thinking)
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tools=list(request.tools) or None, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                             **kwargs)
     except TemplateError as exc:
         raise ApiError("invalid_request", f"The model's chat template rejected these messages: {exc}",
                        param="messages") from None
@@ -79,7 +81,8 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
         found = self._stop_ids.get(model)
         if found is None:
             extra: set[int] = set()
-            for token in self.config.stop_tokens:  # type: ignore[attr-defined]
+            configured: list[str] = self.config.stop_tokens  # type: ignore[attr-defined]
+            for token in [*configured, *self.models.lookup(model).family.stop_tokens]:
                 token_id = tokenizer.convert_tokens_to_ids(token)
                 if token_id is None or token_id == getattr(tokenizer, "unk_token_id", None):
                     log.warning("stage %s: stop token %r is not in model %s's vocabulary", self.id, token, model)
@@ -103,7 +106,7 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             text = request.prompt
             ids = tuple(tokenizer.encode(text))
         else:
-            text = render_prompt(tokenizer, request)
+            text = render_prompt(tokenizer, request, resource.family)
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise ApiError("invalid_request", "The prompt is empty after applying the chat template.", param="messages")
@@ -136,6 +139,20 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             await outbox.send(await trio.to_thread.run_sync(self.prepare, request))
 
 
+def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> StreamParser | None:
+    """The family's parsers for one chat response; raw completions are returned as written."""
+    if request.prompt is not None:
+        return None
+    with_tools = bool(request.tools) and request.tool_choice != "none"
+    reasoning_id = family.reasoning.parser
+    options: dict[str, Any] = {}
+    if "starts_inside" in inspect.signature(REASONING_PARSERS[reasoning_id]).parameters:
+        # Templates that open the thinking block themselves make the output start inside it.
+        options["starts_inside"] = prompt_text.rstrip().endswith(family.reasoning.open_tag)
+    return make_response_parser(tool_parser=family.tools.parser if with_tools else None,
+                                reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options)
+
+
 def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:
     """Engine logprobs carry token ids; clients want the tokens' text."""
     return TokenLogprob(
@@ -162,9 +179,13 @@ class ChatProcess(Stage[Generation, StreamEvent]):
         if not isinstance(header, GenerationStarted):
             raise TypeError(f"chat.process expects GenerationStarted first, got {type(header).__name__}")
         prompt = header.prompt
-        tokenizer = self.models.lookup(prompt.model).require().tokenizer
+        request = prompt.request
+        resource = self.models.lookup(prompt.model)
+        tokenizer = resource.require().tokenizer
         detokenizer = tokenizer.detokenizer
-        stops = StopMatcher(prompt.request.stop)
+        stops = StopMatcher(request.stop)
+        parser = response_parser(request, resource.family, prompt.text)
+        calls = 0
         await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text))
         completion_tokens = 0
         async for chunk in inbox:
@@ -181,9 +202,21 @@ class ChatProcess(Stage[Generation, StreamEvent]):
             elif finish is not None:
                 text += stops.flush()
             logprobs = tuple(_token_strings(tokenizer, lp) for lp in chunk.logprobs)
-            if text or logprobs:
-                await outbox.send(TextDelta(text, logprobs))
+            if parser is None:
+                events: list[StreamEvent] = [TextDelta(text, logprobs)] if text or logprobs else []
+            else:
+                events = [*parser.feed(text), *(parser.finish() if finish is not None else [])]
+                if logprobs:
+                    events.append(TextDelta("", logprobs))
+            for event in events:
+                if isinstance(event, ToolCallDelta):
+                    if event.index > 0 and not request.parallel_tool_calls:
+                        continue  # the client asked for one call at a time
+                    calls = max(calls, event.index + 1)
+                await outbox.send(event)
             if finish is not None:
+                if calls and finish == "stop":
+                    finish = "tool_calls"
                 usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens)
                 await outbox.send(ResponseFinished(finish, usage, stop_sequence=stops.matched))
                 return  # closing our inbox tells generate to drop the sequence

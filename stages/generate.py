@@ -24,15 +24,19 @@ def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChun
     if chunk.finish_reason is not None:
         return chunk
     tokens = list(chunk.token_ids)
+    logprobs = list(chunk.logprobs)
     finish = None
+    merged = False
     while finish is None:
         try:
             more = chunks.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
             break
+        merged = True
         tokens.extend(more.token_ids)
+        logprobs.extend(more.logprobs)
         finish = more.finish_reason
-    return TokenChunk(tuple(tokens), finish) if len(tokens) != len(chunk.token_ids) or finish else chunk
+    return TokenChunk(tuple(tokens), finish, tuple(logprobs)) if merged else chunk
 
 
 @register_stage

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+# Tests never read or write the developer's own capability store.
+os.environ["FLOW_DATA_DIR"] = tempfile.mkdtemp(prefix="flow-test-data-")
 
 from runtime.tiny import ensure_tiny_model  # noqa: E402
 from tests.harness import RunningServer, graph_with_model, running_server  # noqa: E402

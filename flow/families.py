@@ -1,0 +1,190 @@
+"""Model families as data: ``graphs/families/*.toml``.
+
+A family file says how to recognise a model and how to talk to it: detection
+rules (``config.json`` ``model_type`` / ``architectures``, name patterns,
+chat-template features), how tools reach the model (the template's native
+``tools=`` support, or a prompt injected into the system message), which
+parsers read its output, how thinking is switched, extra stop tokens, and the
+template's quirks. Adding a family whose formats exist is one file here.
+
+Resolution (:func:`resolve_family`): an explicit family id wins; ``"auto"``
+scores every family's rules against the model and takes the best match (ties
+go to the higher ``priority``); nothing matching gives ``default``. Files may
+``extends`` another family and override only what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from protocols.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+FAMILY_DIR = Path(__file__).resolve().parent.parent / "graphs" / "families"
+
+DEFAULT_TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query. The functions are described here as JSON schemas:
+{tools}
+
+To call functions, answer with nothing but the calls, written as:
+{call_format}"""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Detect(_Strict):
+    model_types: list[str] = Field(default_factory=list, description="config.json model_type values")
+    architectures: list[str] = Field(default_factory=list, description="config.json architectures entries")
+    name_patterns: list[str] = Field(default_factory=list, description="regexes matched (case-insensitive) on the model's path or id")
+    template_contains: list[str] = Field(default_factory=list, description="strings the chat template must all contain")
+    priority: int = Field(default=0, description="breaks ties between families that match equally well")
+
+
+class Tools(_Strict):
+    parser: str = Field(default="null", description="tool-call parser id")
+    delivery: Literal["auto", "template", "injected"] = Field(
+        default="auto", description="template: pass tools= to the chat template; injected: describe them in the "
+        "system message; auto: template when it mentions tools, else injected")
+    prompt: str = Field(default=DEFAULT_TOOL_PROMPT, description="injected tool prompt ({tools}, {call_format})")
+    call_format: str = Field(default='<tool_call>\n{"name": "NAME", "arguments": {ARGUMENTS}}\n</tool_call>',
+                             description="how the injected prompt tells the model to write a call")
+    call_ids: Literal["any", "alnum9"] = Field(default="any", description="alnum9: rewrite ids to 9 letters/digits (Mistral)")
+    one_call_per_message: bool = Field(default=False, description="split multi-call assistant turns (Llama 3.1)")
+    tool_role: Literal["tool", "user"] = Field(default="tool", description="user: tool results become user turns (templates without a tool role)")
+
+
+class Reasoning(_Strict):
+    parser: str = Field(default="null", description="reasoning parser id")
+    toggle: str | None = Field(default="enable_thinking", description="chat_template_kwargs key that switches thinking")
+    open_tag: str = Field(default="<think>", description="when the prompt ends with this, output starts inside thinking")
+
+
+class Family(_Strict):
+    name: str
+    description: str = ""
+    extends: str | None = None
+    detect: Detect = Detect()
+    tools: Tools = Tools()
+    reasoning: Reasoning = Reasoning()
+    stop_tokens: list[str] = Field(default_factory=list, description="extra tokens that end generation")
+
+    def score(self, model_type: str | None, architectures: list[str], name: str, template: str) -> int:
+        """How well this family's rules match a model (0: not at all)."""
+        d = self.detect
+        score = 0
+        # A name is the most specific evidence (a fine-tune keeps its base's model_type).
+        if any(re.search(p, name, re.IGNORECASE) for p in d.name_patterns):
+            score += 16
+        if model_type and model_type in d.model_types:
+            score += 8
+        if set(architectures) & set(d.architectures):
+            score += 4
+        if d.template_contains and all(s in template for s in d.template_contains):
+            score += 1
+        return score
+
+
+class FamilyError(ValueError):
+    """A family file that does not validate, or an unknown family id; the message says which."""
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_families(*directories: Path) -> dict[str, Family]:
+    """Every family file in ``directories``, validated, with ``extends`` applied."""
+    raw: dict[str, dict[str, Any]] = {}
+    for path in [p for d in directories or (FAMILY_DIR,) for p in sorted(d.glob("*.toml"))]:
+        with path.open("rb") as f:
+            table = tomllib.load(f)
+        table.setdefault("name", path.stem)
+        raw[table["name"]] = table
+    families: dict[str, Family] = {}
+    errors: list[str] = []
+
+    def build(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+        table = raw[name]
+        parent = table.get("extends")
+        if parent is None:
+            return table
+        if parent not in raw or parent in seen:
+            errors.append(f"family {name!r}: extends {parent!r}, which is {'a cycle' if parent in seen else 'unknown'}")
+            return table
+        return _merge({k: v for k, v in build(parent, (*seen, name)).items() if k not in ("name", "description")}, table)
+
+    for name in raw:
+        try:
+            family = Family.model_validate(build(name))
+        except ValidationError as exc:
+            errors += [f"family {name!r}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+            continue
+        if family.tools.parser not in TOOL_PARSERS:
+            errors.append(f"family {name!r}: tools.parser {family.tools.parser!r} is unknown; "
+                          f"valid: {', '.join(sorted(TOOL_PARSERS))}")
+        if family.reasoning.parser not in REASONING_PARSERS:
+            errors.append(f"family {name!r}: reasoning.parser {family.reasoning.parser!r} is unknown; "
+                          f"valid: {', '.join(sorted(REASONING_PARSERS))}")
+        families[name] = family
+    if errors:
+        raise FamilyError("; ".join(errors))
+    if "default" not in families:
+        families["default"] = Family(name="default", description="no tool or reasoning markup")
+    return families
+
+
+def family_dirs() -> list[Path]:
+    """The built-in family directory, then any in ``$FLOW_FAMILY_PATH`` (later files win)."""
+    extra = [Path(p) for p in os.environ.get("FLOW_FAMILY_PATH", "").split(os.pathsep) if p]
+    return [FAMILY_DIR, *extra]
+
+
+@lru_cache(maxsize=1)
+def builtin_families() -> dict[str, Family]:
+    """Every family the server knows (cached; ``builtin_families.cache_clear()`` re-reads)."""
+    return load_families(*family_dirs())
+
+
+def model_facts(path: Path) -> tuple[str | None, list[str]]:
+    """``model_type`` and ``architectures`` from a model directory's config.json."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None, []
+    return config.get("model_type"), list(config.get("architectures") or [])
+
+
+def resolve_family(choice: str, path: Path, name: str, template: str | None,
+                   families: dict[str, Family] | None = None) -> Family:
+    """The family for a model: ``choice`` if it names one, else the best-scoring match."""
+    families = families if families is not None else builtin_families()
+    if choice != "auto":
+        if choice not in families:
+            raise FamilyError(f"unknown family {choice!r}; known: auto, {', '.join(sorted(families))}")
+        return families[choice]
+    model_type, architectures = model_facts(path)
+    best, best_key = families["default"], (0, 0)
+    for family in families.values():
+        score = family.score(model_type, architectures, f"{name} {path}", template or "")
+        key = (score, family.detect.priority)
+        if score > 0 and key > best_key:
+            best, best_key = family, key
+    return best

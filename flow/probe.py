@@ -1,0 +1,120 @@
+"""``flow probe MODEL``: find out how a model takes tools and thinking, and remember it.
+
+The probe loads the model and asks it, greedily, to call a tool:
+
+1. **tool delivery** — render the request with ``tools=`` through the chat
+   template; if the template shows the tool, delivery is ``template``,
+   otherwise the family's injected prompt (``injected``);
+2. **tool parser** — parse the answer with the family's parser, then with
+   every parser; the first that finds a call (the family's own first) wins;
+3. **thinking** — whether the family's switch changes the rendered prompt, and
+   whether a thinking-on answer contains ``<think>…</think>`` markup;
+4. the context length from the model's config.
+
+The result goes to the :mod:`flow.capabilities` store, which serving reads
+before falling back to family detection.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from flow.capabilities import Capabilities, CapabilityStore
+from flow.families import Family, resolve_family
+from protocols.errors import ApiError
+from protocols.ir import ChatRequest, Message, ToolCallDelta
+from protocols.parsers import TOOL_PARSERS, make_response_parser, make_tool_parser
+from runtime.device import shared_device
+from runtime.engine import EngineConfig
+from runtime.models import LoadedModel, load_model, resolve_model_path
+from stages.chat import render_prompt
+
+log = logging.getLogger("flow.probe")
+
+PROBE_TOOLS: tuple[dict[str, Any], ...] = ({"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                   "required": ["city"]}}},)
+PROBE_MESSAGES = (
+    Message("system", "You are a helpful assistant. Use the tools you are given."),
+    Message("user", "What is the weather in Paris right now? Call the get_weather tool."),
+)
+
+
+def _with(family: Family, **tools: Any) -> Family:
+    return family.model_copy(update={"tools": family.tools.model_copy(update=tools)})
+
+
+def _generate(loaded: LoadedModel, prompt: str, max_tokens: int) -> str:
+    from mlx_lm import generate
+
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    return str(shared_device().call(lambda: generate(loaded.model, loaded.tokenizer, prompt=ids,
+                                                     max_tokens=max_tokens)))
+
+
+def _calls(parser_id: str, text: str) -> list[str]:
+    parser = make_tool_parser(parser_id, PROBE_TOOLS)
+    return [e.name or "" for e in parser.parse(text) if isinstance(e, ToolCallDelta) and e.name]
+
+
+def probe(ref: str, *, family_choice: str = "auto", max_tokens: int = 160,
+          store: CapabilityStore | None = None) -> Capabilities:
+    path: Path = resolve_model_path(ref)
+    device = shared_device()
+    device.start()
+    loaded = load_model(path.name, path, device, EngineConfig(max_batch=1))
+    try:
+        return _probe(loaded, path, ref, family_choice, max_tokens, store or CapabilityStore())
+    finally:
+        loaded.engine.close()
+
+
+def _probe(loaded: LoadedModel, path: Path, ref: str, family_choice: str, max_tokens: int,
+           store: CapabilityStore) -> Capabilities:
+    tokenizer = loaded.tokenizer
+    template = getattr(tokenizer, "chat_template", None)
+    family = resolve_family(family_choice, path, ref, template)
+    evidence: dict[str, Any] = {"detected_family": family.name, "smoke_test": loaded.smoke_test}
+    request = ChatRequest(model=ref, messages=PROBE_MESSAGES, tools=PROBE_TOOLS)
+
+    try:
+        templated = render_prompt(tokenizer, request, _with(family, delivery="template"))
+        delivery = "template" if "Get the current weather in a city." in templated else "injected"
+    except ApiError as exc:
+        evidence["template_tools_error"] = exc.message
+        delivery = "injected"
+    chosen = _with(family, delivery=delivery)
+    answer = _generate(loaded, render_prompt(tokenizer, request, chosen), max_tokens)
+    evidence["tool_answer"] = answer[:2000]
+    found = {pid: _calls(pid, answer) for pid in TOOL_PARSERS if pid != "null"}
+    evidence["calls_by_parser"] = found
+    order = [family.tools.parser, *sorted(p for p in found if p != family.tools.parser)]
+    tool_parser = next((p for p in order if found.get(p)), family.tools.parser)
+
+    toggle = family.reasoning.toggle
+    thinking = False
+    if toggle:
+        plain = ChatRequest(model=ref, messages=PROBE_MESSAGES[1:])
+        on = render_prompt(tokenizer, ChatRequest(**{**plain.__dict__, "thinking": True}), family)
+        off = render_prompt(tokenizer, ChatRequest(**{**plain.__dict__, "thinking": False}), family)
+        thinking = on != off
+        if thinking:
+            thought = _generate(loaded, on, max_tokens)
+            evidence["thinking_answer"] = thought[:2000]
+    reasoning_parser = family.reasoning.parser
+    if reasoning_parser == "null" and "</think>" in (evidence.get("thinking_answer") or answer):
+        reasoning_parser = "think_tag"
+    if reasoning_parser != "null":
+        parsed = make_response_parser(reasoning_parser=reasoning_parser).parse(
+            evidence.get("thinking_answer") or answer)
+        evidence["reasoning_seen"] = any(type(e).__name__ == "ReasoningDelta" for e in parsed)
+
+    caps = Capabilities(model=str(path), family=family.name, tool_parser=tool_parser,
+                        reasoning_parser=reasoning_parser, tool_delivery=delivery, thinking=thinking,
+                        context_length=loaded.context_length, tool_calls_verified=bool(found.get(tool_parser)),
+                        evidence=evidence)
+    store.put(caps)
+    return caps

@@ -1,0 +1,193 @@
+"""Tool-call and reasoning parsers: model output text → content, reasoning, tool calls.
+
+Theory of operation
+-------------------
+Every parser is a :class:`StreamParser`, made fresh for each response:
+
+- ``feed(text) -> list[Event]`` takes detokenized text in chunks of any size and
+  returns what those chunks make certain: :class:`~protocols.ir.TextDelta`,
+  :class:`~protocols.ir.ReasoningDelta`, :class:`~protocols.ir.ToolCallDelta`.
+  Text that could still be the start of markup is held back (as
+  :mod:`protocols.stops` does for stop strings), so markup never leaks into
+  content; content before a call streams at once.
+- ``finish() -> list[Event]`` ends the output: held text is released, and an
+  unclosed call is parsed if it is complete enough (each format says what that
+  means) or released as content.
+- ``parse(text)`` does both at once. For any chunking of the same text,
+  ``coalesce(fed events + finish()) == parse(text)``: parsers decide only on the
+  text seen so far, never on chunk boundaries.
+
+A tool call is emitted whole, when it closes: one ``ToolCallDelta`` with its
+``index`` (0, 1, … in order), an id from the injectable ``id_factory`` (default
+``call_`` + 24 letters and digits; Anthropic stages pass ``id_factory("toolu_")``),
+its ``name``, and its ``arguments`` — always a JSON object string, whatever the
+model wrote (arguments written as a JSON string are decoded once). Markup that does
+not parse is released as content exactly as written: nothing is lost or duplicated.
+Whitespace right around call markup (or reasoning tags) is layout and is dropped.
+Calls to names that are not among the request's tools are reported like any other
+call; what to do with them is the client's business (as with the hosted APIs).
+
+Reasoning and tools compose with :class:`ResponseParser`: the reasoning parser
+runs first, only its content goes through the tool parser, so nothing inside
+``<think>`` is ever taken for a call.
+
+Registries map the ids that family files name to parser classes:
+:data:`TOOL_PARSERS` (made with the request's tools and an id factory) and
+:data:`REASONING_PARSERS` (made with format options such as ``starts_inside``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from protocols.ir import TextDelta
+from protocols.parsers.base import (
+    Call,
+    Event,
+    IdFactory,
+    NullToolParser,
+    StreamParser,
+    ToolParser,
+    coalesce,
+    id_factory,
+    new_call_id,
+)
+from protocols.parsers.gemma4 import Gemma4Parser
+from protocols.parsers.json_calls import HermesJsonParser, Llama3JsonParser, MistralParser
+from protocols.parsers.pythonic import PythonicParser
+from protocols.parsers.reasoning import Gemma4ReasoningParser, NullReasoningParser, ThinkTagParser
+from protocols.parsers.xml_calls import Glm4Parser, Qwen3CoderParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "null": NullToolParser,
+    "hermes_json": HermesJsonParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "glm4": Glm4Parser,
+    "llama3_json": Llama3JsonParser,
+    "pythonic": PythonicParser,
+    "mistral": MistralParser,
+    "gemma4": Gemma4Parser,
+}
+"""Tool-call parsers by id."""
+
+REASONING_PARSERS: dict[str, Callable[..., StreamParser]] = {
+    "null": NullReasoningParser,
+    "think_tag": ThinkTagParser,
+    "gemma4": Gemma4ReasoningParser,
+}
+"""Reasoning parsers by id; each takes its options as keyword arguments."""
+
+
+class UnknownParserError(ValueError):
+    """A parser id or option that does not exist; the message lists what does."""
+
+
+def register_tool_parser(parser_id: str, cls: type[ToolParser]) -> None:
+    """Add a tool parser (plugins); an id can be registered once."""
+    if parser_id in TOOL_PARSERS:
+        raise ValueError(f"tool parser {parser_id!r} is already registered")
+    TOOL_PARSERS[parser_id] = cls
+
+
+def register_reasoning_parser(parser_id: str, factory: Callable[..., StreamParser]) -> None:
+    """Add a reasoning parser (plugins); an id can be registered once."""
+    if parser_id in REASONING_PARSERS:
+        raise ValueError(f"reasoning parser {parser_id!r} is already registered")
+    REASONING_PARSERS[parser_id] = factory
+
+
+def make_tool_parser(
+    parser_id: str | None,
+    tools: Sequence[Mapping[str, Any]] = (),
+    *,
+    id_factory: IdFactory = new_call_id,
+) -> ToolParser:
+    """A fresh tool parser for one response (``None`` means ``"null"``)."""
+    cls = TOOL_PARSERS.get(parser_id or "null")
+    if cls is None:
+        raise UnknownParserError(
+            f"unknown tool parser {parser_id!r}; valid ids: {', '.join(sorted(TOOL_PARSERS))}"
+        )
+    return cls(tools, id_factory=id_factory)
+
+
+def make_reasoning_parser(parser_id: str | None, **options: Any) -> StreamParser:
+    """A fresh reasoning parser for one response (``None`` means ``"null"``)."""
+    factory = REASONING_PARSERS.get(parser_id or "null")
+    if factory is None:
+        raise UnknownParserError(
+            f"unknown reasoning parser {parser_id!r}; valid ids: {', '.join(sorted(REASONING_PARSERS))}"
+        )
+    valid = [
+        name
+        for name, p in inspect.signature(factory).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise UnknownParserError(
+            f"unknown option(s) {', '.join(unknown)} for reasoning parser {parser_id!r}; "
+            f"valid options: {', '.join(valid) or '(none)'}"
+        )
+    return factory(**options)
+
+
+class ResponseParser(StreamParser):
+    """Reasoning first, then tools on its content; the same ``feed``/``finish``."""
+
+    def __init__(self, reasoning: StreamParser | None = None, tools: StreamParser | None = None) -> None:
+        self.reasoning = reasoning if reasoning is not None else NullReasoningParser()
+        self.tools = tools if tools is not None else NullToolParser()
+
+    def feed(self, text: str) -> list[Event]:
+        return self._through_tools(self.reasoning.feed(text))
+
+    def finish(self) -> list[Event]:
+        return [*self._through_tools(self.reasoning.finish()), *self.tools.finish()]
+
+    def _through_tools(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for event in events:
+            if isinstance(event, TextDelta):
+                out += self.tools.feed(event.text)
+            else:
+                out.append(event)
+        return out
+
+
+def make_response_parser(
+    *,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
+    tools: Sequence[Mapping[str, Any]] = (),
+    id_factory: IdFactory = new_call_id,
+    reasoning_options: Mapping[str, Any] | None = None,
+) -> ResponseParser:
+    """The parser for one response, from a family's parser ids."""
+    return ResponseParser(
+        reasoning=make_reasoning_parser(reasoning_parser, **dict(reasoning_options or {})),
+        tools=make_tool_parser(tool_parser, tools, id_factory=id_factory),
+    )
+
+
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "Call",
+    "Event",
+    "IdFactory",
+    "ResponseParser",
+    "StreamParser",
+    "ToolParser",
+    "UnknownParserError",
+    "coalesce",
+    "id_factory",
+    "make_reasoning_parser",
+    "make_response_parser",
+    "make_tool_parser",
+    "new_call_id",
+    "register_reasoning_parser",
+    "register_tool_parser",
+]

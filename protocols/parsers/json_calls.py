@@ -1,0 +1,154 @@
+"""Formats whose calls are JSON: Hermes/Qwen (``hermes_json``), Llama 3.x
+(``llama3_json``) and Mistral (``mistral``).
+
+A call is ``{"name": ..., "arguments": {...}}`` (``"parameters"`` is accepted for
+``"arguments"``, and arguments written as a JSON string are decoded once).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from protocols.parsers.base import JSON, Call, call_from_json, make_call
+from protocols.parsers.markup import Brackets, Lead, MarkupToolParser, Parsed
+
+
+def json_calls(text: str) -> list[Call] | None:
+    """One or more JSON values, each a call or a list of calls, separated by
+    whitespace; ``None`` unless all of the text is calls."""
+    calls: list[Call] = []
+    pos, end = _skip_space(text, 0), len(text)
+    while pos < end:
+        try:
+            value, pos = JSON.raw_decode(text, pos)
+        except ValueError:
+            return None
+        for item in value if isinstance(value, list) else [value]:
+            call = call_from_json(item)
+            if call is None:
+                return None
+            calls.append(call)
+        pos = _skip_space(text, pos)
+    return calls or None
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+class HermesJsonParser(MarkupToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, with text
+    around them (Hermes, Qwen 2.5/3, many fine-tunes). An unclosed block at the end of
+    output is a call if its JSON is complete; a truncated one is content."""
+
+    blocks = (("<tool_call>", "</tool_call>"),)
+
+    def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
+        calls = json_calls(body)
+        return Parsed(tuple(calls)) if calls else None
+
+
+class _Llama3Lead(Lead):
+    """The whole output is ``[<|python_tag|>] {call} [; {call}]...``."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self.pos = -1  # next character to scan; -1 until the start is known
+        self.state: Literal["expect", "group", "separator"] = "expect"
+        self.group_start = 0
+        self.brackets = Brackets('"')
+        self.calls: list[Call] = []
+
+    def scan(self, text: str, final: bool) -> Literal["hold", "content"] | list[Call]:
+        if self.pos < 0:
+            start = len(text) - len(text.lstrip())
+            head = text[start:]
+            if head.startswith(self.TAG):
+                self.pos = start + len(self.TAG)
+            elif head.startswith("{"):
+                self.pos = start
+            elif not final and self.TAG.startswith(head):
+                return "hold"
+            else:
+                return "content"
+        while self.pos < len(text):
+            ch = text[self.pos]
+            if self.state == "group":
+                if self.brackets.step(ch):
+                    call = _one_call(text[self.group_start : self.pos + 1])
+                    if call is None:
+                        return "content"
+                    self.calls.append(call)
+                    self.state = "separator"
+            elif ch == "{":
+                self.state, self.group_start, self.brackets = "group", self.pos, Brackets('"')
+                self.brackets.step(ch)
+            elif ch == ";" and self.state == "separator":
+                self.state = "expect"
+            elif not ch.isspace():
+                return "content"
+            self.pos += 1
+        if not final:
+            return "hold"
+        return self.calls if self.calls and self.state != "group" else "content"
+
+
+def _one_call(text: str) -> Call | None:
+    try:
+        value = JSON.decode(text)
+    except ValueError:
+        return None
+    return call_from_json(value)
+
+
+class Llama3JsonParser(MarkupToolParser):
+    """Llama 3.1/3.2/3.3 JSON calls: the whole output (after whitespace) is
+    ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``, several
+    separated by ``;``. Anything else — text before or after, JSON that is not a call —
+    makes the whole output content. Output that cannot be a call stream at once; output
+    that could be is held to the end."""
+
+    def make_lead(self) -> Lead | None:
+        return _Llama3Lead()
+
+    def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
+        return None  # no markup blocks
+
+
+_HEADER = re.compile(r"\s*([\w.\-:/]+)\s*(?:\[CALL_ID\]\s*(\w+)\s*)?(?:\[ARGS\])?\s*")
+
+
+class MistralParser(MarkupToolParser):
+    """Mistral: ``[TOOL_CALLS]`` then either a JSON list ``[{"name", "arguments"}, ...]``
+    (tokenizers before v11) or ``name{json}`` / ``name[ARGS]{json}`` (v11 and later),
+    repeated with one ``[TOOL_CALLS]`` per call. There is no closing marker: a block
+    runs to the next ``[TOOL_CALLS]`` or to the end of output, so calls are emitted when
+    the next one starts or the output ends. Text after a call's JSON is content."""
+
+    blocks = (("[TOOL_CALLS]", None),)
+
+    def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
+        start = _skip_space(body, 0)
+        if body.startswith("[", start) or body.startswith("{", start):
+            try:
+                value, end = JSON.raw_decode(body, start)
+            except ValueError:
+                return None
+            items = value if isinstance(value, list) else [value]
+            calls = [call_from_json(item) for item in items]
+            if not calls or any(c is None for c in calls):
+                return None
+            return Parsed(tuple(c for c in calls if c is not None), body[end:])
+        header = _HEADER.match(body)
+        if header is None or not body.startswith("{", header.end()):
+            return None
+        try:
+            arguments, end = JSON.raw_decode(body, header.end())
+        except ValueError:
+            return None
+        call = make_call(header.group(1), arguments)
+        return Parsed((call,), body[end:]) if call is not None else None

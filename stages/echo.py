@@ -1,0 +1,53 @@
+"""``generate.echo``: a stand-in for ``generate`` that replies with the last user message.
+
+It exists for tests and demos of everything after the model: swap it for
+``generate`` in a graph (one line) and a client's own text comes back through
+the real tokenizer, detokenizer, stop matcher, family parsers and protocol
+formatters, a few tokens per step, as a model would produce it. That makes
+tool-call and reasoning output reproducible on random-weight test models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import trio
+from pydantic import Field
+
+from flow.registry import register_stage
+from flow.resources import ModelSet
+from flow.stage import Outbox, Stage
+from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from stages.chat import ModelStageConfig
+
+
+class EchoConfig(ModelStageConfig):
+    tokens_per_chunk: int = Field(default=3, ge=1, description="tokens per chunk, like one engine step's worth")
+
+
+@register_stage
+class EchoGenerate(Stage[PreparedPrompt, Generation]):
+    type_name: ClassVar[str] = "generate.echo"
+    input_type: ClassVar[Any] = PreparedPrompt
+    output_type: ClassVar[Any] = Generation
+    Config = EchoConfig
+    resource_fields = {"models": "model"}
+    description = "test stand-in for generate: streams the last user message's tokens as the model's output"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet.from_resources(self.resources)
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
+        step: int = self.config.tokens_per_chunk  # type: ignore[attr-defined]
+        async for prompt in inbox:
+            tokenizer = self.models.lookup(prompt.model).require().tokenizer
+            users = [m.content for m in prompt.request.messages if m.role == "user"]
+            script = users[-1] if users else (prompt.request.prompt if isinstance(prompt.request.prompt, str) else "")
+            ids = list(tokenizer.encode(script, add_special_tokens=False))[: prompt.max_tokens]
+            await outbox.send(GenerationStarted(prompt, prompt_tokens=len(prompt.token_ids)))
+            for start in range(0, len(ids), step):
+                await outbox.send(TokenChunk(tuple(ids[start : start + step])))
+                await trio.sleep(0)
+            finish = "length" if len(ids) >= prompt.max_tokens else "stop"
+            await outbox.send(TokenChunk((), finish))

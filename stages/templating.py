@@ -1,0 +1,154 @@
+"""Chat-template input for one family: messages, tools and kwargs as its template wants them.
+
+Protocol decoders produce template-shaped messages (OpenAI style: ``tool_calls``
+with dict arguments, ``tool`` messages with ``tool_call_id``). Families differ
+in what their templates accept, and :func:`template_inputs` adapts:
+
+* **tool delivery** — ``template``: ``tools=`` goes to the template;
+  ``injected``: the tools are described in the system message (the family's
+  prompt) and earlier calls are written back as text in the syntax the
+  family's parser reads, so the model sees its own format;
+* **tool results** — ``tool_role = "user"``: results become user turns (merged
+  with neighbouring user turns, since such templates insist on alternation);
+* **call ids** — ``alnum9``: ids are rewritten, consistently within the
+  request, to the 9 letters and digits Mistral templates demand;
+* **one call per message** — multi-call assistant turns are split, each call
+  followed by its own result (Llama 3.1 refuses more than one);
+* **thinking** — the request's on/off goes to the family's template switch;
+* **tool_choice** — ``none`` hides the tools; ``required`` or a named tool adds
+  an instruction (local models have no constrained decoding to force it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from typing import Any
+
+from flow.families import Family
+from protocols.ir import ChatRequest
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def alnum9(call_id: str) -> str:
+    """A stable 9-character alphanumeric id for any id."""
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    out = ""
+    for _ in range(9):
+        number, digit = divmod(number, len(_ALNUM))
+        out += _ALNUM[digit]
+    return out
+
+
+def render_calls(parser: str, calls: list[dict[str, Any]]) -> str:
+    """Earlier tool calls as text, in the syntax ``parser`` reads (for injected delivery)."""
+    pairs = [(c["function"]["name"], c["function"].get("arguments") or {}) for c in calls]
+    if parser == "pythonic":
+        return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in pairs) + "]"
+    if parser == "llama3_json":
+        return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in pairs)
+    if parser == "mistral":
+        return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in pairs])
+    return "\n".join(f'<tool_call>\n{json.dumps({"name": n, "arguments": a})}\n</tool_call>' for n, a in pairs)
+
+
+def tool_prompt(family: Family, tools: tuple[dict[str, Any], ...]) -> str:
+    described = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    return family.tools.prompt.format(tools=described, call_format=family.tools.call_format)
+
+
+def _choice_instruction(choice: str | dict[str, Any] | None) -> str:
+    if choice == "required":
+        return "You must answer with at least one function call."
+    if isinstance(choice, dict) and choice.get("name"):
+        return f"You must answer with a call to the function {choice['name']}."
+    return ""
+
+
+def _split_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant turns with several calls → one call per turn, each followed by its result."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        calls = msg.get("tool_calls") or []
+        if msg["role"] != "assistant" or len(calls) < 2:
+            out.append(msg)
+            i += 1
+            continue
+        results: dict[str, dict[str, Any]] = {}
+        j = i + 1
+        while j < len(messages) and messages[j]["role"] == "tool":
+            results[messages[j].get("tool_call_id", f"#{j}")] = messages[j]
+            j += 1
+        leftovers = list(results.values())
+        for k, call in enumerate(calls):
+            out.append({**msg, "content": msg.get("content", "") if k == 0 else "", "tool_calls": [call]})
+            result = results.get(call.get("id", ""))
+            if result is None and leftovers:
+                result = leftovers[0]  # results without matching ids keep their order
+            if result is not None:
+                leftovers.remove(result)
+                out.append(result)
+        out.extend(leftovers)
+        i = j
+    return out
+
+
+def _merge_users(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        if out and msg["role"] == "user" and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{msg['content']}"}
+        else:
+            out.append(msg)
+    return out
+
+
+def template_inputs(request: ChatRequest, family: Family, template: str | None) -> tuple[
+        list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
+    """``(messages, tools, kwargs)`` for ``apply_chat_template``."""
+    messages = [m.to_template() for m in request.messages]
+    tools = list(request.tools) if request.tool_choice != "none" else []
+    delivery = family.tools.delivery
+    if delivery == "auto":
+        delivery = "template" if template and "tools" in template else "injected"
+
+    if family.tools.call_ids == "alnum9":
+        for msg in messages:
+            if msg.get("tool_calls"):
+                msg["tool_calls"] = [{**c, "id": alnum9(c.get("id", ""))} for c in msg["tool_calls"]]
+            if msg.get("tool_call_id"):
+                msg["tool_call_id"] = alnum9(msg["tool_call_id"])
+    if family.tools.one_call_per_message:
+        messages = _split_calls(messages)
+
+    system_extra = [_choice_instruction(request.tool_choice) if tools else ""]
+    if delivery == "injected":
+        if tools:
+            system_extra.insert(0, tool_prompt(family, tuple(tools)))
+        for msg in messages:
+            calls = msg.pop("tool_calls", None)
+            if calls:
+                text = render_calls(family.tools.parser, calls)
+                msg["content"] = f"{msg['content']}\n{text}" if msg.get("content") else text
+    if family.tools.tool_role == "user":
+        for k, msg in enumerate(messages):
+            if msg["role"] == "tool":
+                name = f' name="{msg["name"]}"' if msg.get("name") else ""
+                messages[k] = {"role": "user", "content": f"<tool_response{name}>\n{msg['content']}\n</tool_response>"}
+        messages = _merge_users(messages)
+    extra = "\n\n".join(s for s in system_extra if s)
+    if extra:
+        if messages and messages[0]["role"] in ("system", "developer"):
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{extra}"}
+        else:
+            messages.insert(0, {"role": "system", "content": extra})
+
+    kwargs = dict(request.chat_template_kwargs)
+    toggle = family.reasoning.toggle
+    if toggle and request.thinking is not None:
+        kwargs.setdefault(toggle, request.thinking)
+    return messages, (tools if delivery == "template" and tools else None), kwargs
