@@ -77,6 +77,15 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class NamedFunction(_Lenient):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class OpenAISamplingFields(_Lenient):
     """The sampling and streaming fields chat completions and legacy completions share."""
 
@@ -146,6 +155,9 @@ class ChatCompletionBody(OpenAISamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -222,6 +234,11 @@ def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatReque
         stream=parsed.stream,
         include_usage=parsed.include_usage,
         tools=tuple(parsed.tools or ()),
+        tool_choice=({"name": parsed.tool_choice.function.name} if isinstance(parsed.tool_choice, NamedToolChoice)
+                     else parsed.tool_choice),
+        parallel_tool_calls=parsed.parallel_tool_calls,
+        # reasoning_effort "none" switches thinking off; any other effort switches it on.
+        thinking=None if parsed.reasoning_effort is None else parsed.reasoning_effort not in ("none", "minimal"),
         chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),
         request_id=request_id,
         created=created,

@@ -197,3 +197,40 @@ def test_responses_function_call_and_reasoning_items(echo_server: RunningServer)
     follow = c.responses.create(model="tiny", previous_response_id=final.id, tools=tools, max_output_tokens=50,
                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
     assert follow.output_text
+
+
+def test_openai_tool_choice_parallel_calls_and_reasoning_effort(echo_server: RunningServer) -> None:
+    c = openai.OpenAI(base_url=echo_server.url, api_key="x", max_retries=0)
+    two = f"{CALL}\n{CALL.replace('Paris', 'Rome')}"
+    both = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": two}], tools=TOOLS,
+                                     max_tokens=200)
+    calls = both.choices[0].message.tool_calls or []
+    assert [json.loads(t.function.arguments)["city"] for t in calls] == ["Paris", "Rome"]
+    assert len({t.id for t in calls}) == 2
+    one = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": two}], tools=TOOLS,
+                                    parallel_tool_calls=False, max_tokens=200)
+    assert len(one.choices[0].message.tool_calls or []) == 1
+    none = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": two}], tools=TOOLS,
+                                     tool_choice="none", max_tokens=200)
+    assert not none.choices[0].message.tool_calls and none.choices[0].message.content == two
+    named = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": CALL}], tools=TOOLS,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                      reasoning_effort="none", max_tokens=200)
+    assert named.choices[0].finish_reason == "tool_calls"
+    bad = httpx.post(echo_server.url + "/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"})
+    assert bad.status_code == 400 and "tool_choice" in bad.json()["error"]["message"]
+
+
+def test_history_with_tool_calls_reaches_every_template(echo_server: RunningServer) -> None:
+    c = openai.OpenAI(base_url=echo_server.url, api_key="x", max_retries=0)
+    messages: Any = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    out = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=50)
+    assert out.choices[0].message.content == "Thanks!"
+    assert out.usage is not None and out.usage.prompt_tokens > 40
