@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from flow.compiler import CompiledGraph, Route
-from flow.stage import Outbox, Stage
+from flow.stage import EdgeStats, Outbox, Stage
 from protocols.ir import HttpRequest, WireFrame
 
 
@@ -30,6 +30,7 @@ class RouteRunner:
         self._consumers: dict[str, list[str]] = {sid: [] for sid in route.stages}
         for src, dst in route.edges:
             self._consumers[src].append(dst)
+        self.edge_stats = {edge: EdgeStats() for edge in route.edges}
 
     async def run(self, request: HttpRequest, exit_outbox: Outbox[WireFrame]) -> None:
         """Run the request; the exit stage's frames go to ``exit_outbox`` (closed at the end)."""
@@ -43,7 +44,8 @@ class RouteRunner:
             if sid == route.exit:
                 outboxes[sid] = exit_outbox
             else:
-                outboxes[sid] = Outbox([inboxes[c][0].clone() for c in self._consumers[sid]])
+                outboxes[sid] = Outbox([inboxes[c][0].clone() for c in self._consumers[sid]],
+                                       [self.edge_stats[(sid, c)] for c in self._consumers[sid]])
         entry_send = inboxes[route.entry][0]
         entry_send.send_nowait(request)
         for send, _ in inboxes.values():

@@ -37,8 +37,9 @@ from werkzeug.exceptions import HTTPException
 
 from flow.compiler import CompiledGraph, Route
 from flow.resources import ModelResource
+from flow.metrics import Metric, Registry
 from flow.runner import RouteRunner
-from flow.stage import ExitStage, Outbox, Stage
+from flow.stage import EdgeStats, ExitStage, Outbox, Stage
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.openai_chat import error_body as openai_error_body
@@ -77,6 +78,12 @@ class FlowServer:
         self.requests_total = 0
         self.requests_failed = 0
         self.requests_active = 0
+        self.metrics = Registry()
+        self._requests = self.metrics.counter("flow_requests_total", "Requests by route and response status.")
+        self._duration = self.metrics.histogram("flow_request_duration_seconds", "Whole request time by route.")
+        self._first_byte = self.metrics.histogram(
+            "flow_time_to_first_byte_seconds", "Time until the response head (streams: the first event) by route.")
+        self.metrics.collector(self._collect)
 
     @property
     def models(self) -> list[ModelResource]:
@@ -99,6 +106,7 @@ class FlowServer:
         exit_cls: type[ExitStage[Any, Any]] = self.graph.stages[runner.route.exit].cls  # type: ignore[assignment]
         self.requests_total += 1
         self.requests_active += 1
+        started = time.perf_counter()
         outbox: Outbox[WireFrame] = Outbox([send.clone()])
         try:
             with scope:
@@ -120,16 +128,21 @@ class FlowServer:
                             await send.send(frame)
         finally:
             self.requests_active -= 1
+            self._duration.observe(time.perf_counter() - started, route=f"{runner.route.method} {runner.route.path}")
 
     async def respond(self, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery) -> Response:
         send, receive = trio.open_memory_channel[WireFrame](64)
         scope = trio.CancelScope()
+        route = f"{runner.route.method} {runner.route.path}"
+        started = time.perf_counter()
         nursery.start_soon(self.run_request, runner, http, send, scope)
         try:
             first = await receive.receive()
         except BaseException:
             scope.cancel()
             raise
+        self._first_byte.observe(time.perf_counter() - started, route=route)
+        self._requests.inc(route=route, status=str(first.status))
         if not first.streaming:
             receive.close()
             return Response(first.data, status=first.status, headers=list(first.headers))
@@ -191,7 +204,57 @@ class FlowServer:
             "requests": health["requests"],
             "models": {m["id"]: m for m in health["models"]},
             "resources": {rid: res.stats() for rid, res in self.resources.items() if hasattr(res, "stats")},
+            "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams}
+                      for (src, dst), e in self.edge_stats().items()},
         }
+
+    def edge_stats(self) -> dict[tuple[str, str], EdgeStats]:
+        """Per graph edge, summed over the routes that share it."""
+        total: dict[tuple[str, str], EdgeStats] = {}
+        for runner in self.runners.values():
+            for edge, stats in runner.edge_stats.items():
+                acc = total.setdefault(edge, EdgeStats())
+                acc.items += stats.items
+                acc.full += stats.full
+                acc.streams += stats.streams
+        return total
+
+    def _collect(self) -> list[Metric]:
+        """Metrics read at scrape time from the engines, stores and edges."""
+        active = Metric("flow_requests_active", "Requests in flight.", "gauge")
+        active.set(self.requests_active)
+        prompt = Metric("flow_prompt_tokens_total", "Prompt tokens prefilled, by model.", "counter")
+        generated = Metric("flow_generated_tokens_total", "Tokens generated, by model.", "counter")
+        running = Metric("flow_engine_sequences", "Sequences in the engine, by model and state.", "gauge")
+        steps = Metric("flow_engine_steps_total", "Engine steps, by model.", "counter")
+        finished = Metric("flow_engine_sequences_total", "Sequences that left the engine, by model and outcome.",
+                          "counter")
+        for model in self.models:
+            if model.loaded is None:
+                continue
+            engine = model.loaded.engine
+            stats = engine.stats
+            prompt.set(stats.prompt_tokens, model=model.name)
+            generated.set(stats.generated_tokens, model=model.name)
+            running.set(engine.active, model=model.name, state="active")
+            running.set(engine.waiting, model=model.name, state="waiting")
+            steps.set(stats.steps, model=model.name)
+            for outcome in ("finished", "cancelled", "failed"):
+                finished.set(getattr(stats, outcome), model=model.name, outcome=outcome)
+        store_entries = Metric("flow_store_entries", "Entries in stores, by resource.", "gauge")
+        store_bytes = Metric("flow_store_bytes", "Bytes held by stores, by resource.", "gauge")
+        for rid, res in self.resources.items():
+            if hasattr(res, "stats"):
+                numbers = res.stats()
+                if "entries" in numbers:
+                    store_entries.set(numbers["entries"], resource=rid)
+                    store_bytes.set(numbers.get("bytes", 0), resource=rid)
+        items = Metric("flow_edge_items_total", "Items sent along each graph edge.", "counter")
+        full = Metric("flow_edge_full_total", "Sends that found the consumer's inbox full (backpressure).", "counter")
+        for (src, dst), e in self.edge_stats().items():
+            items.set(e.items, edge=f"{src}->{dst}")
+            full.set(e.full, edge=f"{src}->{dst}")
+        return [active, prompt, generated, running, steps, finished, store_entries, store_bytes, items, full]
 
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
@@ -251,6 +314,10 @@ def create_app(server: FlowServer) -> QuartTrio:
     async def health() -> Response:
         body = server.health_json()
         return _json(body, 200 if body["status"] == "ok" else 503)
+
+    @app.route("/metrics", methods=["GET"])
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.route("/stats", methods=["GET"])
     async def stats() -> Response:

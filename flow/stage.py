@@ -13,6 +13,7 @@ request's path, in its own task, and must keep per-request state in locals.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 import trio
@@ -28,15 +29,36 @@ class StageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@dataclass
+class EdgeStats:
+    """Traffic on one graph edge, summed over requests (``/stats``, ``/metrics``)."""
+
+    items: int = 0  # items sent along the edge
+    full: int = 0  # sends that found the consumer's inbox full: the consumer is the bottleneck
+    streams: int = 0  # requests that used the edge
+
+
 class Outbox(Generic[Out]):
     """A stage's output: every on-path consumer gets every item (usually there is one)."""
 
-    def __init__(self, channels: Sequence[trio.MemorySendChannel[Any]]) -> None:
+    def __init__(self, channels: Sequence[trio.MemorySendChannel[Any]],
+                 stats: Sequence[EdgeStats] | None = None) -> None:
         self._channels = list(channels)
+        self._stats = list(stats) if stats is not None else []
+        for edge in self._stats:
+            edge.streams += 1
         self.sent = 0
 
     async def send(self, item: Out) -> None:
         self.sent += 1
+        if self._stats:
+            for channel, edge in zip(self._channels, self._stats):
+                numbers = channel.statistics()
+                if numbers.current_buffer_used >= numbers.max_buffer_size:
+                    edge.full += 1
+                edge.items += 1
+                await channel.send(item)
+            return
         for channel in self._channels:
             await channel.send(item)
 
