@@ -103,7 +103,7 @@ class MarkupToolParser(ToolParser):
         self, tools: Sequence[Mapping[str, Any]] = (), *, id_factory: IdFactory = new_call_id
     ) -> None:
         super().__init__(tools, id_factory=id_factory)
-        self._openers = tuple(opener for opener, _ in self.blocks)
+        self._openers = tuple(sorted((opener for opener, _ in self.blocks), key=len, reverse=True))
         self._closers = dict(self.blocks)
         self._lead = self.make_lead()
         self._state = _LEAD if self._lead is not None else _CONTENT
@@ -197,10 +197,11 @@ class MarkupToolParser(ToolParser):
         return True
 
     def _find_opener(self, start: int) -> tuple[int, str | None]:
+        """The leftmost opener at or after ``start`` (the longest, if several begin there)."""
         best, found = -1, None
-        for opener in self._openers:
+        for opener in self._openers:  # longest first
             at = self._buf.find(opener, start)
-            if at != -1 and (best == -1 or at < best or (at == best and found is not None and len(opener) > len(found))):
+            if at != -1 and (best == -1 or at < best):
                 best, found = at, opener
         return best, found
 

@@ -494,3 +494,32 @@ def test_untyped_values_as_json() -> None:
     assert convert(" 5 ", None, untyped="json") == 5
     assert convert("[1, 2]", {}, untyped="json") == [1, 2]
     assert convert("plain words", None, untyped="json") == "plain words"
+
+
+# -- fuzz: random mixes of markup fragments ----------------------------------------------
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", '{"name": "a"}', '{"name": "b", "arguments": {"x": 1}}', " ", "\n", "x", "<", "[", "]",
+    "(", ")", "{", "}", ";", "[get_time(a=1)]", "[TOOL_CALLS]", "f", '{"a": 1}', "<|tool_call>", "call:f{}", "<tool_call|>",
+    'call:g{a:<|"|>s<|"|>}', "<function=f>", "<parameter=a>", "\n1\n", "</parameter>", "</function>", "<arg_key>", "k",
+    "</arg_key>", "<arg_value>", "v", "</arg_value>", "<|python_tag|>", "<|tool_call_start|>", "<|tool_call_end|>",
+    "'", '"', "\\", "<think>", "</think>",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("parser_id", sorted(TOOL_PARSERS))
+def test_fuzz_chunking_and_conservation(parser_id: str) -> None:
+    rng = random.Random(parser_id)
+    for _ in range(10):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 10)))
+        for reasoning in (None, "think_tag"):
+
+            def factory() -> StreamParser:
+                return make_response_parser(tool_parser=parser_id, reasoning_parser=reasoning, id_factory=counting_ids())
+
+            whole = factory().parse(text)
+            if reasoning is None and not any(isinstance(e, ToolCallDelta) for e in whole):
+                # No calls: the text comes back exactly, markup and whitespace included.
+                assert "".join(e.text for e in whole if isinstance(e, TextDelta)) == text
+            for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]:
+                assert fed(factory, chunks) == whole, f"{text!r} in {chunks!r}"
