@@ -21,7 +21,7 @@ from flow.families import Family, builtin_families, resolve_family
 from flow.registry import register_resource
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
-from runtime.engine import EngineConfig
+from runtime.engine import EngineConfig, Strategy
 from runtime.models import LoadedModel, load_model, resolve_model_path
 
 log = logging.getLogger("flow.resources")
@@ -37,6 +37,12 @@ class ModelConfig(ResourceConfig):
     aliases: list[str] = Field(default_factory=list, description="other ids that select this model")
     max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
     prefill_chunk: int = Field(default=512, ge=16, description="prompt tokens prefilled per engine step")
+    strategy: Strategy = Field(
+        default="decode_first",
+        description="engine step order: decode_first (streams first), prefill_first (new requests first), "
+                    "balanced (decode first; prefill every other step once the batch is half full)")
+    max_queue: int = Field(default=256, ge=1, description="requests waiting for a batch slot beyond which "
+                                                          "new ones get 429 with Retry-After")
     default_max_tokens: int = Field(default=2048, ge=1, description="max_tokens when a request gives none")
     family: str = Field(default="auto", description="model family (graphs/families/*.toml), or auto-detect")
 
@@ -68,7 +74,8 @@ class ModelResource:
 
     async def start(self, device: DeviceThread) -> None:
         path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
-        engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk)
+        engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
+                                     strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
         self.loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config)
         # A probed model is served as the probe showed works; others by family detection.

@@ -1,55 +1,116 @@
-"""The generation engine of one model: a step loop over active sequences.
+"""The generation engine of one model: continuous batching on the device thread.
 
 Theory of operation
 -------------------
 Trio code calls :meth:`Engine.submit`, which queues a sequence and returns a
 :class:`SequenceHandle` whose ``chunks`` channel yields :class:`TokenChunk`
-items. Everything else happens on the device thread, in :meth:`Engine.step`:
+items; past ``max_queue`` waiting sequences it raises :class:`EngineOverloaded`
+instead. Everything else happens on the device thread, in :meth:`Engine.step`.
 
-1. take newly submitted and cancelled sequences (a cancelled sequence leaves
-   here, within one step, and its KV cache is dropped);
-2. **decode**: for every decoding sequence, build the graph for its next token
-   from its *pending* token (sampled last step, possibly still computing), start
-   evaluating all of them at once (``mx.async_eval``), then read the pending
-   tokens — the same pipelining as ``mlx_lm.generate_step``, so the device
-   computes step *n+1* while Python handles step *n*;
-3. **prefill**: spend up to ``prefill_chunk`` prompt tokens on waiting
-   sequences, oldest first; a sequence whose prompt is in cache samples its
-   first token and joins the decoders;
-4. hand every sequence's new tokens to trio in **one** crossing per step.
+A sequence moves through three places:
 
-The scheduler (which sequences decode, how the prefill budget is spent) is the
-part the continuous-batching issue replaces with batched forward passes; the
-handle/step/deliver contract stays. A sequence may also start with its first N
-prompt tokens already in a KV cache (``Sequence.prefilled``), which is how a
-prefix cache plugs in.
+* **waiting** (FIFO): prompts are prefilled oldest first, spending at most
+  ``prefill_chunk`` tokens per step across sequences; every prompt token but
+  the last goes through prefill. Several short prompts at the head of the
+  queue that fit the budget together (counting their right padding) are
+  prefilled in **one** right-padded forward pass into a batch cache of their
+  own (``prepare``/``finalize`` turn the right padding into left padding).
+  Any other prompt is prefilled alone, into a cache of its *own* (a plain
+  single-sequence mlx-lm prompt cache), in chunks that may span steps — so a
+  long prompt never stalls the running streams for more than one chunk. A
+  sequence may arrive with its first N prompt tokens already in such a cache
+  (``submit(prompt_cache=..., cached_tokens=N)``): that is how a prefix cache
+  plugs in; its prefill starts at token N.
+* **ready**: prefilled rows, joining the batch at the end of the step.
+* **the decode batch**: one left-padded batch KV cache per layer (mlx-lm's
+  ``BatchKVCache`` / ``BatchRotatingKVCache``). Ready sequences are *merged*
+  in (their own caches become rows, left-padded to the batch's length), with
+  their last prompt token as the row's next input. Each step runs **one**
+  forward pass with one input token per row, samples every row
+  (:func:`runtime.sampling.sample_batch`, per-sequence parameters and keys),
+  and starts evaluating it with ``mx.async_eval``; only then does Python read
+  the *previous* step's tokens (one ``tolist()`` for the batch), so the
+  device computes step *n+1* while Python hands out step *n* — the pipelining
+  of ``mlx_lm.generate_step``, for the whole batch. A row whose input was its
+  last prompt token ("fresh") emits nothing that step; its first generated
+  token comes out the step after. Finished and cancelled rows are removed with
+  the caches' ``filter`` (their KV memory goes with them); the row's one
+  extra, speculatively computed token is dropped.
+
+Every step ends by handing each sequence's new tokens (or its end) to trio in
+**one** ``run_sync_soon`` crossing per trio run. A cancelled sequence leaves at
+the start of the next step, wherever it is.
+
+Scheduling (``EngineConfig.strategy``), per step:
+
+* ``decode_first`` (default): decode the batch, then prefill with the full
+  ``prefill_chunk`` budget. Streams never wait for more than one chunk of
+  someone else's prompt per token.
+* ``prefill_first``: prefill (full budget) and merge ready sequences *before*
+  decoding, so they take part in this step's forward pass: lowest time to first
+  token, at the cost of the running streams' inter-token latency.
+* ``balanced``: like ``decode_first`` while fewer than ``max_batch // 2``
+  sequences decode; from there on prefill runs only on every other step (the
+  steps between are pure decode steps), halving the prefill share of a busy
+  batch's time.
+
+In every strategy new sequences are only prefilled while the batch (plus the
+ready ones) has fewer than ``max_batch`` rows.
+
+Greedy output does not depend on the batch: the masks hide every padded
+position, each row is sampled from its own logits with its own key, and
+batched matmuls differ from single-row ones only in the last bit or so of
+float32 rounding. The tests compare batched greedy output with
+``mlx_lm.generate`` token for token; only a near-exact tie between the two
+best tokens (within ~1 ulp) could still go the other way.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import mlx.core as mx
 import trio
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from protocols.ir import FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from runtime.device import DeviceThread
-from runtime.sampling import SequenceSampler
+from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 
 log = logging.getLogger("flow.engine")
+
+Strategy = Literal["decode_first", "prefill_first", "balanced"]
+STRATEGIES: tuple[Strategy, ...] = ("decode_first", "prefill_first", "balanced")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 32
-    prefill_chunk: int = 512
+    max_batch: int = 32  # sequences decoding at once (rows of the batch)
+    prefill_chunk: int = 512  # prompt tokens prefilled per step, across sequences
+    strategy: Strategy = "decode_first"
+    max_queue: int = 256  # sequences waiting for a row beyond which submit refuses
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 1:
+            raise ValueError("max_batch, prefill_chunk and max_queue must be positive")
+
+
+class EngineOverloaded(Exception):
+    """Too many sequences are waiting; the caller should retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class SequenceHandle:
@@ -86,13 +147,84 @@ class _Sequence:
     max_tokens: int
     stop_ids: frozenset[int]
     sampler: SequenceSampler
-    prefilled: int = 0
-    cache: list[Any] = field(default_factory=list)
-    pending: mx.array | None = None
-    pending_logprobs: mx.array | None = None
+    cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
+    prefilled: int = 0  # prompt tokens in ``cache``
+    fresh: bool = False  # in the batch, and its input this step is its last prompt token
     generated: int = 0
-    history: list[int] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
     submitted_at: float = field(default_factory=time.perf_counter)
+
+
+class _Rows:
+    """Sequences whose KV caches are the rows of one batch cache per layer (left-padded)."""
+
+    def __init__(self, seqs: list[_Sequence] | None = None, cache: list[Any] | None = None) -> None:
+        self.seqs: list[_Sequence] = seqs or []
+        self.cache: list[Any] = cache or []
+
+    @classmethod
+    def merge(cls, seqs: list[_Sequence]) -> _Rows:
+        """Rows made from the sequences' own single-sequence caches, which they give up."""
+        rows = cls(list(seqs), _merge_caches([s.cache or [] for s in seqs]))
+        for seq in seqs:
+            seq.cache = None
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def extend(self, other: _Rows) -> None:
+        if not self.seqs:
+            self.seqs, self.cache = list(other.seqs), other.cache
+            return
+        for mine, theirs in zip(self.cache, other.cache):
+            mine.extend(theirs)
+        self.seqs.extend(other.seqs)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only these rows (in order); the others' KV memory is released."""
+        if len(keep) == len(self.seqs):
+            return
+        if not keep:
+            self.seqs, self.cache = [], []
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.seqs = [self.seqs[i] for i in keep]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.nbytes) for c in self.cache)
+
+
+class _DecodeBatch(_Rows):
+    """The rows decoding together, with each row's next input token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: mx.array | None = None  # [B] each row's next input token
+        # Logprob figures for ``inputs``, for the sequences (as they were then) that asked.
+        self.report: tuple[list[_Sequence], LogprobReport] | None = None
+
+    def add(self, rows: _Rows) -> None:
+        """Prefilled rows join; each one's last prompt token is its next input."""
+        last = mx.array([s.prompt[-1] for s in rows.seqs], dtype=mx.uint32)
+        self.inputs = last if self.inputs is None or not self.seqs else mx.concatenate([self.inputs, last])
+        for seq in rows.seqs:
+            seq.fresh = True
+            if seq.sampler.processors:
+                seq.history = seq.prompt[-1 - seq.sampler.history_window : -1]
+        self.extend(rows)
+
+    def keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.seqs):
+            return
+        super().keep(keep)
+        if not keep:
+            self.inputs, self.report = None, None
+        else:
+            assert self.inputs is not None
+            self.inputs = self.inputs[mx.array(keep)]
 
 
 @dataclass
@@ -101,15 +233,23 @@ class EngineStats:
     finished: int = 0
     cancelled: int = 0
     failed: int = 0
-    prompt_tokens: int = 0
+    rejected: int = 0  # refused by submit: the queue was full
+    prompt_tokens: int = 0  # prompt tokens computed (cached ones excluded)
+    cached_tokens: int = 0  # prompt tokens handed in already in a cache
     generated_tokens: int = 0
     steps: int = 0
+    decode_steps: int = 0
+    prefill_chunks: int = 0  # prefill forward passes
+    grouped_prefills: int = 0  # of those, the ones that prefilled several prompts together
+    batch_size: int = 0  # rows in the decode batch after the last step
+    peak_batch: int = 0
+    kv_bytes: int = 0  # KV cache bytes held by all sequences after the last step
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
 
 
 class Engine:
-    """Runs sequences of one model on the device thread."""
+    """Runs sequences of one model on the device thread, batched."""
 
     def __init__(self, model: Any, device: DeviceThread, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
@@ -120,23 +260,54 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: deque[_Sequence] = deque()
         self._cancelled: set[int] = set()
+        self._kv_per_token: int | None = None
         # Device-thread state:
         self._waiting: deque[_Sequence] = deque()
-        self._decoding: list[_Sequence] = []
+        self._ready: list[_Rows] = []  # prefilled, joining the batch at the end of this step
+        self._batch = _DecodeBatch()
+        self._skip_prefill = False  # balanced: this step is a pure decode step
+        # Recent history for rates, TTFT and retry-after estimates (device thread writes).
+        self._rates: deque[tuple[float, int, int]] = deque(maxlen=64)
+        self._ttfts: deque[float] = deque(maxlen=64)
+        self._finish_times: deque[float] = deque(maxlen=64)
         device.add_stepper(self)
 
     # ------------------------------------------------------------------ trio side
-    def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int],
-               sampling: SamplingParams) -> SequenceHandle:
+    def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
+               prompt_cache: list[Any] | None = None, cached_tokens: int = 0) -> SequenceHandle:
+        """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
+
+        ``prompt_cache`` (with ``cached_tokens``) hands in a single-sequence
+        mlx-lm prompt cache of this model that already holds the first
+        ``cached_tokens`` prompt tokens, e.g. from a prefix cache. The engine
+        takes it over and extends it in place. At least the last prompt token
+        must be left uncached (its forward pass gives the first logits): trim a
+        whole-prompt hit by one token first.
+        """
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if prompt_cache is None and cached_tokens:
+            raise ValueError("cached_tokens needs the prompt_cache that holds them")
+        if not 0 <= cached_tokens < len(prompt):
+            raise ValueError(f"cached_tokens must be in [0, {len(prompt) - 1}] for a {len(prompt)}-token prompt")
+        waiting = self.waiting
+        if waiting >= self.config.max_queue:
+            with self._lock:
+                self.stats.rejected += 1
+            retry = self._retry_after(waiting - self.config.max_queue + 1)
+            raise EngineOverloaded(f"{waiting} requests are already waiting for this model "
+                                   f"(max_queue {self.config.max_queue})", retry)
         send, receive = trio.open_memory_channel[TokenChunk](float("inf"))
         handle = SequenceHandle(self, next(self._ids), send, receive)
         seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
-                        max_tokens=max_tokens, stop_ids=stop_ids, sampler=SequenceSampler(sampling))
+                        max_tokens=max_tokens, stop_ids=stop_ids, sampler=SequenceSampler(sampling),
+                        cache=prompt_cache, prefilled=cached_tokens)
         with self._lock:
             self._inbox.append(seq)
             self.stats.submitted += 1
+            self.stats.cached_tokens += cached_tokens
         self.device.wake()
         return handle
 
@@ -147,32 +318,98 @@ class Engine:
 
     @property
     def active(self) -> int:
-        return len(self._decoding)
+        """Sequences in the decode batch."""
+        return len(self._batch)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting) + len(self._inbox)
+        """Sequences accepted but not decoding yet (queued, prefilling or about to join)."""
+        return len(self._inbox) + len(self._waiting) + sum(len(r) for r in self._ready)
 
     def close(self) -> None:
         self.device.remove_stepper(self)
 
+    def kv_bytes_per_token(self) -> int:
+        """Estimated KV cache bytes one token of context costs (all layers, keys and values).
+
+        From the model's config: layers × KV heads × head dim × 2 × activation
+        dtype bytes. An upper bound for models with sliding-window layers (their
+        caches stop growing at the window). For admission control: a request
+        needs about ``(prompt + max_tokens) × this`` bytes, plus batch padding.
+        """
+        if self._kv_per_token is None:
+            self._kv_per_token = _kv_bytes_per_token(self.model)
+        return self._kv_per_token
+
+    def stats_json(self) -> dict[str, Any]:
+        """A JSON-ready snapshot for ``/stats`` (safe to call from any thread)."""
+        s = self.stats
+        out: dict[str, Any] = asdict(s)
+        rates = list(self._rates)
+        recent_decode = recent_prefill = 0.0
+        if len(rates) >= 2 and rates[-1][0] > rates[0][0]:
+            span = rates[-1][0] - rates[0][0]
+            recent_decode = (rates[-1][1] - rates[0][1]) / span
+            recent_prefill = (rates[-1][2] - rates[0][2]) / span
+        ttfts = list(self._ttfts)
+        out.update(
+            active=self.active,
+            waiting=self.waiting,
+            strategy=self.config.strategy,
+            max_batch=self.config.max_batch,
+            prefill_chunk=self.config.prefill_chunk,
+            max_queue=self.config.max_queue,
+            decode_tokens_per_second=round(s.generated_tokens / s.decode_seconds, 1) if s.decode_seconds else 0.0,
+            prefill_tokens_per_second=round(s.prompt_tokens / s.prefill_seconds, 1) if s.prefill_seconds else 0.0,
+            recent_decode_tokens_per_second=round(recent_decode, 1),
+            recent_prefill_tokens_per_second=round(recent_prefill, 1),
+            ttft_ms_median_recent=round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+            kv_bytes_per_token=self.kv_bytes_per_token(),
+        )
+        for key in ("decode_seconds", "prefill_seconds"):
+            out[key] = round(out[key], 3)
+        return out
+
+    def _retry_after(self, excess: int) -> float:
+        """Seconds until about ``excess`` queue places free up, from the recent finish rate."""
+        times = list(self._finish_times)
+        if len(times) >= 2 and times[-1] > times[0]:
+            rate = (len(times) - 1) / (times[-1] - times[0])
+            return float(min(60, max(1, round(excess / rate))))
+        return 1.0
+
     # ------------------------------------------------------------------ device side
     def has_work(self) -> bool:
-        return bool(self._inbox or self._waiting or self._decoding or self._cancelled)
+        return bool(self._inbox or self._waiting or self._ready or self._batch.seqs or self._cancelled)
 
     def step(self) -> None:
         self._take_inbox()
-        out: list[tuple[_Sequence, TokenChunk]] = []
+        out: list[tuple[_Sequence, TokenChunk | None]] = []
         try:
-            if self._decoding:
-                self._decode(out)
-            if self._waiting and len(self._decoding) < self.config.max_batch:
-                self._prefill()
+            if self.config.strategy == "prefill_first":
+                self._prefill(self.config.prefill_chunk, out)
+                self._admit(out)
+                if self._batch.seqs:
+                    self._decode(out)
+            else:
+                if self._batch.seqs:
+                    self._decode(out)
+                self._prefill(self._prefill_budget(), out)
+                self._admit(out)
         except Exception as exc:
-            log.exception("engine step failed; failing its sequences")
-            self._fail_all(exc)
-        self.stats.steps += 1
-        if self.stats.steps % 256 == 0:
+            log.exception("engine step failed; failing its batch")
+            self._fail(self._batch.seqs, exc, out)
+            self._batch = _DecodeBatch()
+        s = self.stats
+        s.steps += 1
+        s.batch_size = len(self._batch)
+        s.peak_batch = max(s.peak_batch, s.batch_size)
+        s.kv_bytes = self._batch.nbytes + sum(r.nbytes for r in self._ready) + sum(
+            int(c.nbytes) for seq in self._waiting if seq.cache for c in seq.cache)
+        now = time.perf_counter()
+        if not self._rates or now - self._rates[-1][0] > 0.1:
+            self._rates.append((now, s.generated_tokens, s.prompt_tokens))
+        if s.steps % 256 == 0 or not self.has_work():
             mx.clear_cache()
         self._deliver(out)
 
@@ -181,133 +418,242 @@ class Engine:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
             cancelled, self._cancelled = self._cancelled, set()
-        if cancelled:
-            before = len(self._waiting) + len(self._decoding)
-            self._waiting = deque(s for s in self._waiting if s.handle.id not in cancelled)
-            self._decoding = [s for s in self._decoding if s.handle.id not in cancelled]
-            self.stats.cancelled += before - len(self._waiting) - len(self._decoding)
+        if not cancelled:
+            return
+        gone = 0
+        kept = [s for s in self._waiting if s.handle.id not in cancelled]
+        gone += len(self._waiting) - len(kept)
+        self._waiting = deque(kept)  # dropped sequences take their own caches with them
+        for rows in [*self._ready, self._batch]:
+            keep = [i for i, s in enumerate(rows.seqs) if s.handle.id not in cancelled]
+            gone += len(rows) - len(keep)
+            rows.keep(keep)
+        self._ready = [r for r in self._ready if r.seqs]
+        self.stats.cancelled += gone
 
-    def _forward(self, seq: _Sequence, tokens: mx.array) -> mx.array:
-        logits: mx.array = self.model(tokens[None], cache=seq.cache)
-        return logits
+    def _prefill_budget(self) -> int:
+        if self.config.strategy == "balanced" and len(self._batch) >= max(1, self.config.max_batch // 2):
+            self._skip_prefill = not self._skip_prefill
+            return 0 if self._skip_prefill else self.config.prefill_chunk
+        return self.config.prefill_chunk
 
-    def _sample(self, seq: _Sequence, logits: mx.array) -> tuple[mx.array, mx.array]:
-        return seq.sampler(logits[:, -1, :], seq.history)
+    def _room(self) -> int:
+        return self.config.max_batch - len(self._batch) - sum(len(r) for r in self._ready)
 
-    def _decode(self, out: list[tuple[_Sequence, TokenChunk]]) -> None:
+    def _prefill(self, budget: int, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        """Spend up to ``budget`` prompt tokens on waiting sequences, oldest first.
+
+        Short prompts that start from scratch and fit the budget together are
+        prefilled *together*, right-padded into one batch cache (one forward pass
+        instead of one per prompt); anything else is prefilled on its own cache,
+        in chunks that may span steps.
+        """
         start = time.perf_counter()
-        upcoming: list[tuple[mx.array, mx.array] | None] = []
-        for seq in self._decoding:
-            assert seq.pending is not None
-            if seq.generated + 1 < seq.max_tokens:
-                upcoming.append(self._sample(seq, self._forward(seq, seq.pending)))
-            else:
-                upcoming.append(None)
-        mx.async_eval([u[0] for u in upcoming if u is not None])  # type: ignore[no-untyped-call]
-        still: list[_Sequence] = []
-        for seq, nxt in zip(self._decoding, upcoming):
-            assert seq.pending is not None
-            token = int(seq.pending.item())  # type: ignore[arg-type]
+        while self._waiting and self._room() > 0:
+            group = self._group(budget)
+            if len(group) > 1:
+                for _ in group:
+                    self._waiting.popleft()
+                try:
+                    self._ready.append(self._prefill_together(group))
+                except Exception as exc:
+                    log.exception("prefill failed; failing its sequences")
+                    self._fail(group, exc, out)
+                    continue
+                used = len(group) * max(len(s.prompt) - 1 for s in group)
+                budget -= used
+                self.stats.prompt_tokens += sum(len(s.prompt) - 1 for s in group)
+                self.stats.prefill_chunks += 1
+                self.stats.grouped_prefills += 1
+                continue
+            seq = self._waiting[0]
+            remaining = len(seq.prompt) - 1 - seq.prefilled
+            if remaining > 0:
+                if budget <= 0:
+                    break
+                n = min(budget, remaining)
+                try:
+                    if seq.cache is None:
+                        seq.cache = make_prompt_cache(self.model)
+                    chunk = mx.array(seq.prompt[seq.prefilled : seq.prefilled + n])
+                    self.model(chunk[None], cache=seq.cache)
+                    mx.eval([c.state for c in seq.cache])
+                except Exception as exc:
+                    log.exception("prefill failed; failing its sequence")
+                    self._waiting.popleft()
+                    self._fail([seq], exc, out)
+                    continue
+                seq.prefilled += n
+                budget -= n
+                self.stats.prompt_tokens += n
+                self.stats.prefill_chunks += 1
+                if n < remaining:
+                    continue  # the budget ran out inside this prompt
+            self._waiting.popleft()
+            try:
+                if seq.cache is None:
+                    seq.cache = make_prompt_cache(self.model)  # a one-token prompt: nothing to prefill
+                self._ready.append(_Rows.merge([seq]))
+            except Exception as exc:
+                log.exception("could not batch the sequence's cache; failing it")
+                self._fail([seq], exc, out)
+        self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _group(self, budget: int) -> list[_Sequence]:
+        """Waiting sequences, from the head, to prefill together within ``budget`` padded tokens."""
+        group: list[_Sequence] = []
+        longest = 0
+        room = self._room()
+        for seq in self._waiting:
+            n = len(seq.prompt) - 1
+            if seq.cache is not None or n < 1 or len(group) >= room:
+                break
+            if max(longest, n) * (len(group) + 1) > budget:
+                break
+            group.append(seq)
+            longest = max(longest, n)
+        return group
+
+    def _prefill_together(self, group: list[_Sequence]) -> _Rows:
+        """Prefill all but the last prompt token of each sequence in one right-padded forward pass."""
+        rows = _Rows(list(group), _merge_caches([make_prompt_cache(self.model) for _ in group]))
+        lengths = [len(s.prompt) - 1 for s in group]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        tokens = mx.array([s.prompt[:-1] + [0] * p for s, p in zip(group, padding)])
+        if any(padding):
+            for c in rows.cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        self.model(tokens, cache=rows.cache)
+        if any(padding):
+            for c in rows.cache:
+                c.finalize()  # the padding moves to the left, where the batch expects it
+        mx.eval([c.state for c in rows.cache])
+        for seq in group:
+            seq.prefilled = len(seq.prompt) - 1
+        return rows
+
+    def _admit(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        """Merge the ready rows into the decode batch."""
+        if not self._ready:
+            return
+        ready, self._ready = self._ready, []
+        start = time.perf_counter()
+        joining = ready[0]
+        try:
+            for rows in ready[1:]:
+                joining.extend(rows)
+            self._batch.add(joining)
+        except Exception as exc:
+            log.exception("could not merge sequences into the batch; failing them")
+            self._fail([s for r in ready for s in r.seqs], exc, out)
+            return
+        self.stats.prompt_tokens += len(joining)  # each last prompt token runs in the next decode step
+        self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _decode(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        """One forward pass for every row; hand out the tokens sampled last step."""
+        start = time.perf_counter()
+        batch = self._batch
+        inputs = batch.inputs
+        assert inputs is not None
+        logits = self.model(inputs[:, None], cache=batch.cache)[:, -1, :]
+        contexts: list[mx.array | None] = []
+        for i, seq in enumerate(batch.seqs):
+            if not seq.sampler.processors:
+                contexts.append(None)
+                continue
+            recent = seq.history[-(seq.sampler.history_window - 1):] if seq.sampler.history_window > 1 else []
+            current = inputs[i : i + 1]
+            contexts.append(mx.concatenate([mx.array(recent, dtype=mx.uint32), current]) if recent else current)
+        sample = sample_batch(logits, [s.sampler for s in batch.seqs], contexts)
+        mx.async_eval(sample.tokens, *(sample.report.arrays() if sample.report else ()))  # type: ignore[no-untyped-call]
+
+        # While the device works on that, read and hand out the inputs (last step's tokens).
+        values: list[int] = inputs.tolist()  # type: ignore[assignment]
+        logprobs = self._read_report(batch, values)
+        keep: list[int] = []
+        emitted = 0
+        now = time.perf_counter()
+        for i, seq in enumerate(batch.seqs):
+            token = values[i]
+            if seq.sampler.processors:
+                seq.history.append(token)
+                if len(seq.history) > 4 * seq.sampler.history_window:
+                    del seq.history[: -seq.sampler.history_window]
+            if seq.fresh:
+                seq.fresh = False  # its input was its last prompt token: nothing to hand out yet
+                keep.append(i)
+                continue
             finish: FinishReason | None = None
             tokens: tuple[int, ...] = ()
-            logprobs: tuple[TokenLogprob, ...] = ()
+            lps: tuple[TokenLogprob, ...] = ()
             if token in seq.stop_ids:
                 finish = "stop"
             else:
                 tokens = (token,)
-                if seq.pending_logprobs is not None:
-                    logprobs = (seq.sampler.report(token, seq.pending_logprobs),)
+                report = logprobs.get(seq)
+                if report is not None:
+                    lps = (report,)
+                if seq.generated == 0:
+                    self._ttfts.append(now - seq.submitted_at)
                 seq.generated += 1
-                if seq.sampler.processors:
-                    seq.history.append(token)
+                emitted += 1
                 if seq.generated >= seq.max_tokens:
                     finish = "length"
-            out.append((seq, TokenChunk(tokens, finish, logprobs)))
+            out.append((seq, TokenChunk(tokens, finish, lps)))
             if finish is None:
-                assert nxt is not None  # computed above: the sequence had room for another token
-                self._set_pending(seq, nxt)
-                still.append(seq)
+                keep.append(i)
             else:
-                self._finish(seq)
-        self._decoding = still
-        self.stats.generated_tokens += sum(len(c.token_ids) for _, c in out)
+                self.stats.finished += 1
+                self._finish_times.append(now)
+        batch.inputs = sample.tokens
+        batch.report = (list(batch.seqs), sample.report) if sample.report else None
+        batch.keep(keep)
+        self.stats.generated_tokens += emitted
+        self.stats.decode_steps += 1
         self.stats.decode_seconds += time.perf_counter() - start
 
-    def _prefill(self) -> None:
-        start = time.perf_counter()
-        budget = self.config.prefill_chunk
-        while self._waiting and budget > 0 and len(self._decoding) < self.config.max_batch:
-            seq = self._waiting[0]
-            if not seq.cache:
-                seq.cache = make_prompt_cache(self.model)
-                if seq.sampler.processors:
-                    seq.history = list(seq.prompt)
-            # Everything but the last prompt token goes through plain prefill, in
-            # chunks; the last token's forward pass samples the first new token.
-            remaining = len(seq.prompt) - 1 - seq.prefilled
-            if remaining > 0:
-                n = min(budget, remaining)
-                chunk = mx.array(seq.prompt[seq.prefilled : seq.prefilled + n])
-                self._forward(seq, chunk)
-                mx.eval([c.state for c in seq.cache])
-                seq.prefilled += n
-                budget -= n
-                self.stats.prompt_tokens += n
-                continue
-            last = mx.array(seq.prompt[-1:])
-            self._set_pending(seq, self._sample(seq, self._forward(seq, last)))
-            mx.async_eval(seq.pending)  # type: ignore[no-untyped-call]
-            self.stats.prompt_tokens += 1
-            budget -= 1
-            self._waiting.popleft()
-            self._decoding.append(seq)
-        self.stats.prefill_seconds += time.perf_counter() - start
-
     @staticmethod
-    def _set_pending(seq: _Sequence, sampled: tuple[mx.array, mx.array]) -> None:
-        seq.pending = sampled[0]
-        # Keep the distribution only for requests that asked for logprobs.
-        seq.pending_logprobs = sampled[1] if seq.sampler.params.logprobs is not None else None
+    def _read_report(batch: _DecodeBatch, values: list[int]) -> dict[_Sequence, TokenLogprob]:
+        """Logprob figures for this step's inputs, by sequence."""
+        if batch.report is None:
+            return {}
+        seqs, report = batch.report
+        row_of = {s: i for i, s in enumerate(batch.seqs)}
+        wanted = [seqs[r] for r in report.rows]  # rows of the batch as it was when it sampled
+        tokens = [values[row_of[s]] if s in row_of else 0 for s in wanted]
+        read = report.read(tokens, [s.sampler.top_logprobs or 0 for s in wanted])
+        return {s: lp for s, lp in zip(wanted, read) if s in row_of}
 
-    def _finish(self, seq: _Sequence) -> None:
-        seq.cache = []
-        seq.pending = seq.pending_logprobs = None
-        self.stats.finished += 1
-
-    def _fail_all(self, exc: BaseException) -> None:
-        failed = list(self._waiting) + self._decoding
-        self._waiting.clear()
-        self._decoding = []
-        self.stats.failed += len(failed)
-        for seq in failed:
+    def _fail(self, seqs: list[_Sequence], exc: BaseException,
+              out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        self.stats.failed += len(seqs)
+        for seq in seqs:
             seq.handle.error = exc
-            seq.cache = []
-        by_token: dict[trio.lowlevel.TrioToken, list[_Sequence]] = {}
-        for seq in failed:
-            by_token.setdefault(seq.token, []).append(seq)
-        for token, seqs in by_token.items():
-            _run_in_trio(token, _close_all, [s.handle for s in seqs])
+            seq.cache = None
+            out.append((seq, None))
 
-    def _deliver(self, out: list[tuple[_Sequence, TokenChunk]]) -> None:
+    def _deliver(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
         if not out:
             return
-        by_token: dict[trio.lowlevel.TrioToken, list[tuple[SequenceHandle, TokenChunk]]] = {}
+        by_token: dict[trio.lowlevel.TrioToken, list[tuple[SequenceHandle, TokenChunk | None]]] = {}
         for seq, chunk in out:
             by_token.setdefault(seq.token, []).append((seq.handle, chunk))
         for token, items in by_token.items():
-            _run_in_trio(token, _send_all, items)
+            try:
+                token.run_sync_soon(_send_all, items)
+            except trio.RunFinishedError:
+                pass  # the server's trio run is gone; nobody is listening
 
 
-def _run_in_trio(token: trio.lowlevel.TrioToken, fn: Any, arg: Any) -> None:
-    try:
-        token.run_sync_soon(fn, arg)
-    except trio.RunFinishedError:
-        pass  # the server's trio run is gone; nobody is listening
-
-
-def _send_all(items: list[tuple[SequenceHandle, TokenChunk]]) -> None:
-    """Runs in trio: one call per engine step delivers every sequence's chunk."""
+def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
+    """Runs in trio: one call per engine step delivers every sequence's chunk (None: it failed)."""
     for handle, chunk in items:
+        if chunk is None:
+            handle.finished = True
+            handle._send.close()
+            continue
         try:
             handle._send.send_nowait(chunk)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -318,7 +664,31 @@ def _send_all(items: list[tuple[SequenceHandle, TokenChunk]]) -> None:
             handle._send.close()
 
 
-def _close_all(handles: list[SequenceHandle]) -> None:
-    for handle in handles:
-        handle.finished = True
-        handle._send.close()
+def _merge_caches(caches: list[list[Any]]) -> list[Any]:
+    """Single-sequence caches (one list per sequence) → one left-padded batch cache per layer."""
+    merged = []
+    for layer in zip(*caches):
+        if not hasattr(layer[0], "merge"):
+            raise ValueError(f"{type(layer[0]).__name__} caches cannot be batched")
+        merged.append(layer[0].merge(list(layer)))
+    return merged
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+
+    def get(key: str) -> Any:
+        return text.get(key) if isinstance(text, dict) else getattr(args, key, None)
+
+    layers = get("num_hidden_layers") or len(getattr(model, "layers", ()))
+    heads = get("num_attention_heads") or 1
+    kv_heads = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or (get("hidden_size") or 0) // heads
+    itemsize = 2
+    for item in tree_flatten(model.parameters()):
+        value = item[1] if isinstance(item, tuple) else None
+        if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+            itemsize = value.dtype.size
+            break
+    return int(layers * kv_heads * head_dim * 2 * itemsize)

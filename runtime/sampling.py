@@ -1,15 +1,35 @@
-"""Per-sequence sampling, built from a :class:`SamplingParams`.
+"""Sampling for a batch of sequences, each with its own :class:`SamplingParams`.
 
-Each sequence owns its random key, so a seeded request samples the same tokens
-whatever else runs beside it. Greedy decoding uses exactly the operations of
-``mlx_lm.generate`` (log-softmax, then argmax) so that outputs match it
-token for token. Filters and penalties are mlx-lm's own functions.
+Theory of operation
+-------------------
+The engine runs one forward pass for the whole decode batch and hands the
+``[B, vocab]`` logits of the last position to :func:`sample_batch`, together
+with one :class:`SequenceSampler` per row. Everything stays lazy (``mx.array``
+graphs); the engine evaluates the result with ``mx.async_eval`` so the device
+computes while Python delivers the previous step.
+
+Per-row independence is the rule: a row's token depends only on that row's
+logits, its own penalties context and its own random key, never on its
+neighbours. So
+
+* greedy rows use exactly the operations of ``mlx_lm.generate``
+  (log-softmax, then argmax), batched over the rows: a row-wise reduction
+  gives each row the same value it would get alone;
+* logits processors (logit bias, repetition/presence/frequency penalties —
+  mlx-lm's own functions) run on the rows that have them, one row at a time;
+* sampled rows draw with the sequence's own key, split once per token, so a
+  seeded request gives the same text alone or inside any batch.
+
+Rows that asked for logprobs get the sampled token's log-probability and the
+top alternatives as three small arrays (:class:`LogprobReport`), read with one
+``tolist()`` per array per step rather than per token.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
@@ -20,7 +40,7 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 class SequenceSampler:
-    """Turns one sequence's logits into its next token (lazily: returns an mx.array)."""
+    """One sequence's sampling state: its processors and, when it samples, its random key."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -33,19 +53,20 @@ class SequenceSampler:
         )
         # How much history the penalties look at (they slice it themselves).
         self.history_window = max(params.repetition_context_size, 20) if self.processors else 0
+        self.greedy = params.greedy
+        self.top_logprobs = params.logprobs  # None: the request did not ask for logprobs
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._key = mx.random.key(seed) if not params.greedy else None
+        self._key: mx.array | None = None if self.greedy else mx.random.key(seed)
 
-    def __call__(self, logits: mx.array, history: list[int]) -> tuple[mx.array, mx.array]:
-        """``logits`` is ``[1, vocab]`` for the last position; returns the ``[1]`` token array
-        and the ``[1, vocab]`` log-probabilities it was drawn from (after penalties)."""
-        if self.processors:
-            tokens = mx.array(history[-self.history_window :])
-            for processor in self.processors:
-                logits = processor(tokens, logits)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        if self._key is None:
-            return mx.argmax(logprobs, axis=-1), logprobs
+    def process(self, logits: mx.array, context: mx.array) -> mx.array:
+        """Apply this sequence's logits processors to its ``[1, vocab]`` row."""
+        for processor in self.processors:
+            logits = processor(context, logits)
+        return logits
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """Draw one token (``[1]``) from a ``[1, vocab]`` row of log-probabilities."""
+        assert self._key is not None, "greedy sequences are sampled in the batch, not here"
         p = self.params
         filtered = logprobs
         if 0.0 < p.top_p < 1.0:
@@ -56,14 +77,88 @@ class SequenceSampler:
             filtered = apply_top_k(filtered, p.top_k)
         keys = mx.random.split(self._key)
         self._key = keys[0]
-        return mx.random.categorical(filtered * (1.0 / p.temperature), key=keys[1]), logprobs
+        return mx.random.categorical(filtered * (1.0 / p.temperature), key=keys[1])
 
-    def report(self, token: int, logprobs: mx.array) -> TokenLogprob:
-        """The sampled token's log-probability and the top alternatives, as asked for."""
-        row = logprobs.reshape(-1)
-        k = self.params.logprobs or 0
-        top: tuple[tuple[int | str, float], ...] = ()
-        if k > 0:
-            ids = mx.argsort(-row)[:k]
-            top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), row[ids].tolist()))  # type: ignore[arg-type]
-        return TokenLogprob(token, float(row[token].item()), top)  # type: ignore[arg-type]
+
+@dataclass(frozen=True)
+class LogprobReport:
+    """Lazy logprob figures for the rows that asked for them, in ``rows`` order."""
+
+    rows: tuple[int, ...]  # row indices in the batch the report was computed for
+    chosen: mx.array  # [R] log-probability of each row's sampled token
+    top_ids: mx.array  # [R, k] best alternatives, most likely first
+    top_values: mx.array  # [R, k]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.chosen, self.top_ids, self.top_values]
+
+    def read(self, tokens: Sequence[int], wanted: Sequence[int]) -> list[TokenLogprob]:
+        """The reports as IR values; ``tokens`` and ``wanted`` (top-k asked) are in ``rows`` order."""
+        chosen: list[float] = self.chosen.tolist()  # type: ignore[assignment]
+        ids: list[list[int]] = self.top_ids.tolist()  # type: ignore[assignment]
+        values: list[list[float]] = self.top_values.tolist()  # type: ignore[assignment]
+        out: list[TokenLogprob] = []
+        for i, token in enumerate(tokens):
+            k = wanted[i]
+            top: tuple[tuple[int | str, float], ...] = tuple(zip(ids[i][:k], values[i][:k])) if k > 0 else ()
+            out.append(TokenLogprob(token, float(chosen[i]), top))
+        return out
+
+
+@dataclass(frozen=True)
+class BatchSample:
+    tokens: mx.array  # [B] uint32
+    report: LogprobReport | None
+
+
+def _runs(flags: Sequence[bool]) -> list[tuple[int, int, bool]]:
+    """Split row indices into maximal runs of equal flags: (start, stop, flag)."""
+    runs: list[tuple[int, int, bool]] = []
+    start = 0
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[start]:
+            runs.append((start, i, flags[start]))
+            start = i
+    return runs
+
+
+def sample_batch(logits: mx.array, samplers: Sequence[SequenceSampler],
+                 contexts: Sequence[mx.array | None]) -> BatchSample:
+    """Next token for every row of ``logits`` (``[B, vocab]``), lazily.
+
+    ``contexts[i]`` is row *i*'s penalties context (recent tokens, the current
+    input last) when its sampler has processors, else None.
+    """
+    if any(c is not None for c in contexts):
+        parts = []
+        for start, stop, processed in _runs([c is not None for c in contexts]):
+            if not processed:
+                parts.append(logits[start:stop])
+                continue
+            for i in range(start, stop):
+                context = contexts[i]
+                assert context is not None
+                parts.append(samplers[i].process(logits[i : i + 1], context))
+        logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    tokens = mx.argmax(logprobs, axis=-1)
+    if not all(s.greedy for s in samplers):
+        parts = []
+        for start, stop, greedy in _runs([s.greedy for s in samplers]):
+            if greedy:
+                parts.append(tokens[start:stop])
+            else:
+                parts.extend(samplers[i].sample(logprobs[i : i + 1]) for i in range(start, stop))
+        tokens = mx.concatenate([p.astype(mx.uint32) for p in parts]) if len(parts) > 1 else parts[0]
+    report = None
+    wanted = [i for i, s in enumerate(samplers) if s.top_logprobs is not None]
+    if wanted:
+        k = max(1, max(samplers[i].top_logprobs or 0 for i in wanted))
+        rows = mx.array(wanted) if len(wanted) < len(samplers) else None
+        lp = logprobs[rows] if rows is not None else logprobs
+        chosen_tokens = tokens[rows] if rows is not None else tokens
+        chosen = mx.take_along_axis(lp, chosen_tokens[:, None].astype(mx.int32), axis=-1)[:, 0]
+        top_ids = mx.argsort(-lp, axis=-1)[:, :k]
+        top_values = mx.take_along_axis(lp, top_ids, axis=-1)
+        report = LogprobReport(tuple(wanted), chosen, top_ids, top_values)
+    return BatchSample(tokens.astype(mx.uint32), report)

@@ -11,6 +11,7 @@ from flow.resources import ModelSet
 from flow.stage import Outbox, Stage
 from protocols.errors import ApiError
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from runtime.engine import EngineOverloaded
 from stages.chat import ModelStageConfig
 
 
@@ -55,8 +56,12 @@ class Generate(Stage[PreparedPrompt, Generation]):
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         async for prompt in inbox:
             engine = self.models.lookup(prompt.model).require().engine
-            handle = engine.submit(list(prompt.token_ids), max_tokens=prompt.max_tokens,
-                                   stop_ids=prompt.stop_token_ids, sampling=prompt.request.sampling)
+            try:
+                handle = engine.submit(list(prompt.token_ids), max_tokens=prompt.max_tokens,
+                                       stop_ids=prompt.stop_token_ids, sampling=prompt.request.sampling)
+            except EngineOverloaded as exc:
+                raise ApiError("rate_limit", f"The model {prompt.model!r} is busy: {exc}. Retry after "
+                               f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
             # Leaving this block for any reason (done, downstream finished early,
             # client gone) cancels the sequence; the engine drops it next step.
             async with handle:

@@ -1,0 +1,407 @@
+"""The continuous-batching engine, driven directly: a device thread, tiny real models, trio."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import pytest
+import trio
+
+from protocols.ir import SamplingParams, TokenChunk
+from runtime.device import DeviceThread
+from runtime.engine import STRATEGIES, Engine, EngineConfig, EngineOverloaded, SequenceHandle
+from runtime.tiny import PRESETS, ensure_tiny_model
+
+GREEDY = SamplingParams()
+
+
+@dataclass
+class Loaded:
+    name: str
+    model: Any
+    tokenizer: Any
+    device: DeviceThread
+
+    def chat(self, text: str) -> list[int]:
+        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                       add_generation_prompt=True))
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return frozenset(self.tokenizer.eos_token_ids)
+
+    def reference(self, prompt: list[int], max_tokens: int) -> list[int]:
+        """Greedy tokens from mlx-lm's own generate loop (``mlx_lm.generate`` runs this), up to EOS."""
+        from mlx_lm.generate import generate_step
+
+        def run() -> list[int]:
+            out: list[int] = []
+            for token, _ in generate_step(mx.array(prompt), self.model, max_tokens=max_tokens):
+                if int(token) in self.eos:
+                    break
+                out.append(int(token))
+            return out
+
+        return self.device.call(run)
+
+
+@pytest.fixture(scope="module")
+def device() -> Iterator[DeviceThread]:
+    thread = DeviceThread("test-engine-device")
+    thread.start()
+    yield thread
+    thread.stop()
+
+
+_loaded: dict[str, Loaded] = {}
+
+
+def load(device: DeviceThread, preset: str) -> Loaded:
+    if preset not in _loaded:
+        from mlx_lm.utils import load as mlx_load
+
+        path = ensure_tiny_model(preset)
+        model, tokenizer = device.call(lambda: mlx_load(str(path))[:2])
+        _loaded[preset] = Loaded(preset, model, tokenizer, device)
+    return _loaded[preset]
+
+
+@pytest.fixture(scope="module")
+def qwen3(device: DeviceThread) -> Loaded:
+    return load(device, "tiny-qwen3")
+
+
+class Engines:
+    """Makes engines on the test's device thread and closes them afterwards."""
+
+    def __init__(self) -> None:
+        self.made: list[Engine] = []
+
+    def __call__(self, loaded: Loaded, **config: Any) -> Engine:
+        engine = Engine(loaded.model, loaded.device, EngineConfig(**config))
+        self.made.append(engine)
+        return engine
+
+
+@pytest.fixture
+def engines() -> Iterator[Engines]:
+    made = Engines()
+    yield made
+    for engine in made.made:
+        engine.close()
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    finish: str | None
+    chunks: list[TokenChunk]
+
+
+async def collect(handle: SequenceHandle, on_chunk: Any = None) -> Result:
+    tokens: list[int] = []
+    chunks: list[TokenChunk] = []
+    finish = None
+    async with handle:
+        async for chunk in handle.chunks:
+            chunks.append(chunk)
+            tokens.extend(chunk.token_ids)
+            finish = chunk.finish_reason
+            if on_chunk is not None:
+                on_chunk(chunk)
+    assert handle.error is None
+    return Result(tokens, finish, chunks)
+
+
+async def run_all(engine: Engine, prompts: list[list[int]], max_tokens: int, *,
+                  sampling: list[SamplingParams] | None = None, stop: frozenset[int] = frozenset(),
+                  stagger_after: int | None = None) -> list[Result]:
+    """Run prompts concurrently; with ``stagger_after``, the second half joins once the
+    first sequence has produced that many chunks (so they merge into a running batch)."""
+    results: list[Result | None] = [None] * len(prompts)
+    params = sampling or [GREEDY] * len(prompts)
+    first_half = len(prompts) if stagger_after is None else max(1, len(prompts) // 2)
+    go = trio.Event()
+    seen = 0
+
+    def count(_: TokenChunk) -> None:
+        nonlocal seen
+        seen += 1
+        if stagger_after is not None and seen >= stagger_after:
+            go.set()
+
+    async def one(i: int) -> None:
+        if i >= first_half:
+            await go.wait()
+        handle = engine.submit(prompts[i], max_tokens=max_tokens, stop_ids=stop, sampling=params[i])
+        results[i] = await collect(handle, count if i == 0 else None)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return [r for r in results if r is not None]
+
+
+PROMPTS = [
+    "Tell me a story about a lighthouse.",
+    "hi",
+    "Count to ten and then explain why counting matters to people who like numbers.",
+    "What is the capital of France?",
+    "Write a haiku about the sea, the wind and a small boat sailing home at night.",
+    "ok",
+    "Describe a cat.",
+]
+
+
+async def wait_until(predicate: Any, timeout: float = 20.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- greedy batch invariance
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-llama", "tiny-gemma3"])
+async def test_batched_greedy_matches_mlx_lm_generate(device: DeviceThread, engines: Engines, preset: str) -> None:
+    loaded = load(device, preset)
+    prompts = [loaded.chat(p) for p in PROMPTS]
+    if preset == "tiny-gemma3":
+        # Past the 512-token sliding window: the rotating layers' batch cache wraps around.
+        prompts[1] = loaded.chat("lighthouse keeper " * 160)
+        prompts[5] = loaded.chat("sea " * 240)
+        assert len(prompts[1]) > 512 and len(prompts[5]) > 480
+    expected = [loaded.reference(p, 40) for p in prompts]
+    engine = engines(loaded)
+    results = await run_all(engine, prompts, 40, stop=loaded.eos, stagger_after=3)
+    for got, want in zip(results, expected):
+        assert got.tokens == want
+        assert got.finish == ("length" if len(want) == 40 else "stop")
+    assert engine.stats.peak_batch >= 4  # they really decoded together
+    assert engine.stats.grouped_prefills >= 1  # and some prompts were prefilled together
+    assert engine.active == 0 and engine.stats.kv_bytes == 0
+
+
+# --------------------------------------------------------------------------- sampling inside the batch
+
+SAMPLED = [
+    SamplingParams(temperature=0.9, top_p=0.9, seed=1234),
+    SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=7, repetition_penalty=1.3),
+    SamplingParams(temperature=0.7, seed=99, presence_penalty=0.5, frequency_penalty=0.4,
+                   logit_bias=((17, 5.0), (23, 3.0))),
+]
+
+
+async def test_seeded_sampling_is_the_same_alone_and_in_a_batch(qwen3: Loaded, engines: Engines) -> None:
+    prompts = [qwen3.chat(PROMPTS[i]) for i in range(len(SAMPLED))]
+    alone = []
+    for prompt, params in zip(prompts, SAMPLED):
+        alone.append((await run_all(engines(qwen3), [prompt], 24, sampling=[params]))[0].tokens)
+    # Inside a batch with greedy and unseeded neighbours, joining at different times.
+    neighbours = [qwen3.chat(p) for p in PROMPTS[3:]]
+    mixed = [*neighbours[:2], *prompts, *neighbours[2:]]
+    mixed_params = [GREEDY, SamplingParams(temperature=1.0), *SAMPLED, SamplingParams(temperature=0.5, top_k=5),
+                    GREEDY][: len(mixed)]
+    engine = engines(qwen3)
+    together = await run_all(engine, mixed, 24, sampling=mixed_params, stagger_after=2)
+    assert [r.tokens for r in together[2 : 2 + len(SAMPLED)]] == alone
+    assert engine.stats.peak_batch >= 4
+    # The seed matters.
+    other = await run_all(engines(qwen3), [prompts[0]], 24, sampling=[SamplingParams(temperature=0.9, top_p=0.9,
+                                                                                     seed=4321)])
+    assert other[0].tokens != alone[0]
+
+
+async def test_logprobs_in_a_batch(qwen3: Loaded, engines: Engines) -> None:
+    prompts = [qwen3.chat(p) for p in PROMPTS[:4]]
+    params = [GREEDY, SamplingParams(logprobs=3), SamplingParams(temperature=0.8, seed=5, logprobs=0), GREEDY]
+    results = await run_all(engines(qwen3), prompts, 12, sampling=params, stagger_after=2)
+    assert all(not c.logprobs for r in (results[0], results[3]) for c in r.chunks)
+    greedy = [lp for c in results[1].chunks for lp in c.logprobs]
+    assert [lp.token for lp in greedy] == results[1].tokens
+    for lp in greedy:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert lp.logprob <= 0 and lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    sampled = [lp for c in results[2].chunks for lp in c.logprobs]
+    assert [lp.token for lp in sampled] == results[2].tokens and all(not lp.top for lp in sampled)
+    assert results[1].tokens == qwen3.reference(prompts[1], 12)
+
+
+# --------------------------------------------------------------------------- scheduling
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_every_strategy_gives_the_same_greedy_output(qwen3: Loaded, engines: Engines, strategy: str) -> None:
+    prompts = [qwen3.chat(p) for p in PROMPTS[:6]]
+    expected = [qwen3.reference(p, 16) for p in prompts]
+    # A small batch and chunk so that queueing, chunking and the balanced rule all happen.
+    engine = engines(qwen3, strategy=strategy, max_batch=4, prefill_chunk=16)
+    results = await run_all(engine, prompts, 16, stop=qwen3.eos, stagger_after=2)
+    assert [r.tokens for r in results] == expected
+    assert engine.stats.peak_batch == 4
+    assert engine.stats.prefill_chunks > len(prompts)  # prompts were split into chunks
+
+
+async def test_long_prefill_interleaves_with_decoding(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, prefill_chunk=16)
+    short = qwen3.chat("hi")
+    long = qwen3.chat("a lighthouse on a rock, " * 60)
+    assert len(long) > 300
+    decoded_during_prefill = 0
+    long_started = trio.Event()
+    long_first_token = trio.Event()
+
+    def on_short(chunk: TokenChunk) -> None:
+        nonlocal decoded_during_prefill
+        if long_started.is_set() and not long_first_token.is_set():
+            decoded_during_prefill += len(chunk.token_ids)
+
+    def on_long(_: TokenChunk) -> None:
+        long_first_token.set()
+
+    results: dict[str, Result] = {}
+
+    async def run_short() -> None:
+        results["short"] = await collect(engine.submit(short, max_tokens=400, stop_ids=frozenset(),
+                                                       sampling=GREEDY), on_short)
+
+    async def run_long() -> None:
+        await wait_until(lambda: engine.stats.generated_tokens >= 3)
+        handle = engine.submit(long, max_tokens=8, stop_ids=frozenset(), sampling=GREEDY)
+        long_started.set()
+        results["long"] = await collect(handle, on_long)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_short)
+        nursery.start_soon(run_long)
+    # The long prompt took len/16 prefill steps; the short stream got a token in (nearly) each.
+    assert decoded_during_prefill >= (len(long) // 16) // 2
+    assert results["long"].tokens == qwen3.reference(long, 8)
+    assert results["short"].tokens == qwen3.reference(short, 400)
+
+
+async def test_max_batch_bounds_the_batch(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, max_batch=2)
+    prompts = [qwen3.chat(p) for p in PROMPTS[:5]]
+    results = await run_all(engine, prompts, 6)
+    assert all(len(r.tokens) == 6 for r in results)
+    assert engine.stats.peak_batch == 2
+    assert engine.stats.finished == 5
+
+
+async def test_max_queue_overflow_raises(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, max_batch=1, max_queue=2)
+    gate = threading.Event()
+    blocked = qwen3.device.submit(lambda: gate.wait(30))  # hold the device thread
+    prompt = qwen3.chat("hi")
+    try:
+        handles = [engine.submit(prompt, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY) for _ in range(2)]
+        with pytest.raises(EngineOverloaded) as raised:
+            engine.submit(prompt, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY)
+        assert raised.value.retry_after >= 1
+        assert engine.stats.rejected == 1 and engine.waiting == 2
+    finally:
+        gate.set()
+    blocked.result(5)
+    for handle in handles:
+        assert len((await collect(handle)).tokens) == 3
+    # Room again once the queue drains.
+    assert len((await collect(engine.submit(prompt, max_tokens=2, stop_ids=frozenset(), sampling=GREEDY))).tokens) == 2
+
+
+# --------------------------------------------------------------------------- cancellation and memory
+
+async def test_cancel_leaves_the_batch_and_frees_its_kv(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3)
+    prompts = [qwen3.chat(p) for p in PROMPTS[:3]]
+    handles = [engine.submit(p, max_tokens=100_000, stop_ids=frozenset(), sampling=GREEDY) for p in prompts]
+    for handle in handles:
+        await handle.chunks.receive()
+        await handle.chunks.receive()
+    assert engine.active == 3 and engine.stats.kv_bytes > 0
+    full = engine.stats.kv_bytes
+    handles[1].cancel()
+    await wait_until(lambda: engine.stats.cancelled == 1)
+    assert engine.active == 2
+    await wait_until(lambda: engine.stats.kv_bytes < full)
+    # The others go on decoding after the filter.
+    before = engine.stats.generated_tokens
+    await wait_until(lambda: engine.stats.generated_tokens >= before + 4)
+    for handle in (handles[0], handles[2]):
+        handle.cancel()
+    await wait_until(lambda: engine.stats.cancelled == 3)
+    await wait_until(lambda: not engine.has_work())
+    assert engine.active == 0 and engine.waiting == 0
+    assert engine.stats.kv_bytes == 0
+    stats = engine.stats_json()
+    assert stats["active"] == 0 and stats["kv_bytes"] == 0 and stats["cancelled"] == 3
+    for handle in handles:
+        handle.chunks.close()
+
+
+async def test_cancel_while_waiting_and_prefilling(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, max_batch=1, prefill_chunk=16)
+    busy = engine.submit(qwen3.chat("hi"), max_tokens=100_000, stop_ids=frozenset(), sampling=GREEDY)
+    await busy.chunks.receive()
+    queued = engine.submit(qwen3.chat("sea " * 100), max_tokens=5, stop_ids=frozenset(), sampling=GREEDY)
+    await wait_until(lambda: engine.waiting == 1)
+    queued.cancel()
+    await wait_until(lambda: engine.stats.cancelled == 1)
+    assert engine.waiting == 0 and engine.active == 1
+    busy.cancel()
+    await wait_until(lambda: not engine.has_work())
+    assert engine.stats.kv_bytes == 0
+    for handle in (busy, queued):
+        handle.chunks.close()
+
+
+# --------------------------------------------------------------------------- prefix cache hand-in, stats
+
+async def test_sequence_can_start_from_a_prefilled_cache(qwen3: Loaded, engines: Engines) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = qwen3.chat(PROMPTS[2])
+    n = len(prompt) - 5
+
+    def prefill() -> list[Any]:
+        cache = make_prompt_cache(qwen3.model)
+        qwen3.model(mx.array(prompt[:n])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    cache = qwen3.device.call(prefill)
+    engine = engines(qwen3)
+    handle = engine.submit(prompt, max_tokens=20, stop_ids=qwen3.eos, sampling=GREEDY, prompt_cache=cache,
+                           cached_tokens=n)
+    result = await collect(handle)
+    assert result.tokens == qwen3.reference(prompt, 20)
+    assert engine.stats.cached_tokens == n and engine.stats.prompt_tokens == len(prompt) - n
+    with pytest.raises(ValueError):
+        engine.submit(prompt, max_tokens=2, stop_ids=frozenset(), sampling=GREEDY, prompt_cache=cache,
+                      cached_tokens=len(prompt))
+
+
+async def test_stats_and_kv_estimate(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3)
+    spec = PRESETS["tiny-qwen3"]
+    assert engine.kv_bytes_per_token() == spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * 4
+    await run_all(engine, [qwen3.chat(p) for p in PROMPTS[:3]], 8)
+    stats = engine.stats_json()
+    for key in ("active", "waiting", "batch_size", "peak_batch", "kv_bytes", "kv_bytes_per_token", "steps",
+                "decode_tokens_per_second", "prefill_tokens_per_second", "strategy", "max_batch", "rejected"):
+        assert key in stats
+    assert stats["generated_tokens"] == 24 and stats["finished"] == 3 and stats["decode_tokens_per_second"] > 0
+    assert stats["prefill_tokens_per_second"] > 0 and stats["batch_size"] == 0
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="strategy"):
+        EngineConfig(strategy="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        EngineConfig(max_batch=0)
