@@ -421,12 +421,14 @@ def error_frames(error: ApiError) -> list[bytes]:
     return [data_frame(error_json(error)), DONE]
 
 
+def error_status(error: ApiError) -> int:
+    # A full queue or a loading model: 429 makes OpenAI clients back off and retry (with retry-after).
+    return 429 if error.kind == "overloaded" else STATUS[error.kind]
+
+
 class ChatCodec:
     stream_encoder = staticmethod(ChatStreamEncoder)
     encode_final = staticmethod(encode_completion)
     error_body = staticmethod(error_body)
     error_frames = staticmethod(error_frames)
-
-    @staticmethod
-    def error_status(error: ApiError) -> int:
-        return STATUS[error.kind]
+    error_status = staticmethod(error_status)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from protocols.errors import STATUS, ApiError
+from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
     FinalResult,
@@ -25,7 +25,7 @@ from protocols.ir import (
     TokenLogprob,
 )
 from protocols.codec import SSE_COMMENT_KEEPALIVE
-from protocols.openai_chat import OpenAISamplingFields, error_body, error_frames, usage_json
+from protocols.openai_chat import OpenAISamplingFields, error_body, error_frames, error_status, usage_json
 from protocols.sse import DONE, data_frame
 from protocols.validation import parse_json_body
 
@@ -174,7 +174,4 @@ class CompletionsCodec:
     encode_final = staticmethod(encode_completion)
     error_body = staticmethod(error_body)
     error_frames = staticmethod(error_frames)
-
-    @staticmethod
-    def error_status(error: ApiError) -> int:
-        return STATUS[error.kind]
+    error_status = staticmethod(error_status)

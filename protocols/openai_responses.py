@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
-from protocols.errors import STATUS, ApiError
+from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
     FinalResult,
@@ -43,7 +43,7 @@ from protocols.ir import (
     ToolCallDelta,
     Usage,
 )
-from protocols.openai_chat import error_body, error_json
+from protocols.openai_chat import error_body, error_json, error_status
 from protocols.sse import event_frame
 from protocols.validation import parse_json_body
 
@@ -489,7 +489,4 @@ class ResponsesCodec:
     encode_final = staticmethod(encode_response)
     error_body = staticmethod(error_body)
     error_frames = staticmethod(error_frames)
-
-    @staticmethod
-    def error_status(error: ApiError) -> int:
-        return STATUS[error.kind]
+    error_status = staticmethod(error_status)

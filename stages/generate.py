@@ -60,7 +60,7 @@ class Generate(Stage[PreparedPrompt, Generation]):
                 handle = engine.submit(list(prompt.token_ids), max_tokens=prompt.max_tokens,
                                        stop_ids=prompt.stop_token_ids, sampling=prompt.request.sampling)
             except EngineOverloaded as exc:
-                raise ApiError("rate_limit", f"The model {prompt.model!r} is busy: {exc}. Retry after "
+                raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                                f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
             # Leaving this block for any reason (done, downstream finished early,
             # client gone) cancels the sequence; the engine drops it next step.
