@@ -27,19 +27,24 @@ A sequence moves through three places:
   in (their own caches become rows, left-padded to the batch's length), with
   their last prompt token as the row's next input. Each step runs **one**
   forward pass with one input token per row, samples every row
-  (:func:`runtime.sampling.sample_batch`, per-sequence parameters and keys),
-  and starts evaluating it with ``mx.async_eval``; only then does Python read
-  the *previous* step's tokens (one ``tolist()`` for the batch), so the
-  device computes step *n+1* while Python hands out step *n* — the pipelining
-  of ``mlx_lm.generate_step``, for the whole batch. A row whose input was its
-  last prompt token ("fresh") emits nothing that step; its first generated
-  token comes out the step after. Finished and cancelled rows are removed with
-  the caches' ``filter`` (their KV memory goes with them); the row's one
-  extra, speculatively computed token is dropped.
+  (:func:`runtime.sampling.sample_batch`, per-sequence parameters and keys)
+  and evaluates it with ``mx.async_eval``, while Python reads the *previous*
+  step's tokens (one ``tolist()`` for the batch) and hands them out. On a GPU
+  the launch comes first and returns at once, so the device computes step
+  *n+1* while Python hands out step *n* — the pipelining of
+  ``mlx_lm.generate_step``, for the whole batch. The CPU backend computes most
+  of a step inside ``async_eval`` itself, so there the engine reads and hands
+  out step *n* first and then launches *n+1*: trio streams the tokens on the
+  other core while the step computes, and no token is held back a step. A row
+  whose input was its last prompt token ("fresh") emits nothing that step; its
+  first generated token comes out the step after. Finished and cancelled rows
+  are removed with the caches' ``filter`` (their KV memory goes with them);
+  the one extra token computed for a finished row is dropped.
 
-Every step ends by handing each sequence's new tokens (or its end) to trio in
-**one** ``run_sync_soon`` crossing per trio run. A cancelled sequence leaves at
-the start of the next step, wherever it is.
+The decoded tokens of a step go to trio in **one** ``run_sync_soon`` crossing
+per trio run, before any prefill work of the step (a sequence that fails in
+prefill is told at the end of the step). A cancelled sequence leaves at the
+start of the next step, wherever it is.
 
 Scheduling (``EngineConfig.strategy``), per step:
 
@@ -266,6 +271,10 @@ class Engine:
         self._ready: list[_Rows] = []  # prefilled, joining the batch at the end of this step
         self._batch = _DecodeBatch()
         self._skip_prefill = False  # balanced: this step is a pure decode step
+        # On a GPU, async_eval returns at once: launch step n+1, then read step n (pipelined,
+        # like mlx_lm.generate_step). On the CPU it computes most of the step before returning,
+        # so read and hand out step n first, then launch n+1.
+        self._launch_first = mx.default_device().type != mx.DeviceType.cpu
         # Recent history for rates, TTFT and retry-after estimates (device thread writes).
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=64)
         self._ttfts: deque[float] = deque(maxlen=64)
@@ -394,6 +403,9 @@ class Engine:
             else:
                 if self._batch.seqs:
                     self._decode(out)
+                    self._update_gauges()
+                    self._deliver(out)  # the streams get their tokens before any prefill work
+                    out = []
                 self._prefill(self._prefill_budget(), out)
                 self._admit(out)
         except Exception as exc:
@@ -402,16 +414,20 @@ class Engine:
             self._batch = _DecodeBatch()
         s = self.stats
         s.steps += 1
-        s.batch_size = len(self._batch)
-        s.peak_batch = max(s.peak_batch, s.batch_size)
-        s.kv_bytes = self._batch.nbytes + sum(r.nbytes for r in self._ready) + sum(
-            int(c.nbytes) for seq in self._waiting if seq.cache for c in seq.cache)
+        self._update_gauges()
         now = time.perf_counter()
         if not self._rates or now - self._rates[-1][0] > 0.1:
             self._rates.append((now, s.generated_tokens, s.prompt_tokens))
         if s.steps % 256 == 0 or not self.has_work():
             mx.clear_cache()
         self._deliver(out)
+
+    def _update_gauges(self) -> None:
+        s = self.stats
+        s.batch_size = len(self._batch)
+        s.peak_batch = max(s.peak_batch, s.batch_size)
+        s.kv_bytes = self._batch.nbytes + sum(r.nbytes for r in self._ready) + sum(
+            int(c.nbytes) for seq in self._waiting if seq.cache for c in seq.cache)
 
     def _take_inbox(self) -> None:
         with self._lock:
@@ -567,9 +583,10 @@ class Engine:
             current = inputs[i : i + 1]
             contexts.append(mx.concatenate([mx.array(recent, dtype=mx.uint32), current]) if recent else current)
         sample = sample_batch(logits, [s.sampler for s in batch.seqs], contexts)
-        mx.async_eval(sample.tokens, *(sample.report.arrays() if sample.report else ()))  # type: ignore[no-untyped-call]
-
-        # While the device works on that, read and hand out the inputs (last step's tokens).
+        launch = [sample.tokens, *(sample.report.arrays() if sample.report else ())]
+        if self._launch_first:
+            # The device computes this step while Python reads and hands out the last one.
+            mx.async_eval(*launch)  # type: ignore[no-untyped-call]
         values: list[int] = inputs.tolist()  # type: ignore[assignment]
         logprobs = self._read_report(batch, values)
         keep: list[int] = []
@@ -612,6 +629,13 @@ class Engine:
         batch.keep(keep)
         self.stats.generated_tokens += emitted
         self.stats.decode_steps += 1
+        if not self._launch_first:
+            # The CPU backend runs most of a step inside async_eval: hand out the tokens
+            # first, so trio streams them while the device computes the next ones.
+            self._update_gauges()
+            self._deliver(out)
+            out.clear()
+            mx.async_eval(*launch)  # type: ignore[no-untyped-call]
         self.stats.decode_seconds += time.perf_counter() - start
 
     @staticmethod
