@@ -8,6 +8,7 @@ starts; requests only borrow them.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -45,6 +46,8 @@ class ModelConfig(ResourceConfig):
                                                           "new ones get 429 with Retry-After")
     default_max_tokens: int = Field(default=2048, ge=1, description="max_tokens when a request gives none")
     family: str = Field(default="auto", description="model family (graphs/families/*.toml), or auto-detect")
+    kv_budget_bytes: int | None = Field(
+        default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
     @field_validator("family")
     @classmethod
@@ -90,10 +93,21 @@ class ModelResource:
         if self.loaded is not None:
             self.loaded.engine.close()
 
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.config.kv_budget_bytes or _half_of_memory()
+
     def require(self) -> LoadedModel:
         if self.loaded is None:
             raise ApiError("overloaded", f"Model {self.name!r} is still loading; retry shortly.", retry_after=2)
         return self.loaded
+
+
+def _half_of_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
 
 
 class ModelSet:

@@ -261,18 +261,9 @@ class FlowServer:
         out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
                                "family": model.family.name}
         if model.loaded is not None:
-            engine = model.loaded.engine
-            s = engine.stats
-            out.update(
-                path=str(model.loaded.path), smoke_test=model.loaded.smoke_test,
-                context_length=model.loaded.context_length,
-                engine={"active": engine.active, "waiting": engine.waiting, "submitted": s.submitted,
-                        "finished": s.finished, "cancelled": s.cancelled, "failed": s.failed,
-                        "prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
-                        "steps": s.steps,
-                        "decode_tokens_per_second": round(s.generated_tokens / s.decode_seconds, 1)
-                        if s.decode_seconds else 0.0},
-            )
+            out.update(path=str(model.loaded.path), smoke_test=model.loaded.smoke_test,
+                       context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,
+                       engine=model.loaded.engine.stats_json())
         return out
 
 

@@ -91,6 +91,19 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             found = self._stop_ids[model] = frozenset(tokenizer.eos_token_ids) | extra
         return found
 
+    @staticmethod
+    def _check_kv_budget(resource: Any, loaded: Any, prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse up front what could only end in running out of memory."""
+        per_token = loaded.engine.kv_bytes_per_token()
+        need = per_token * (prompt_tokens + max_tokens)
+        budget = resource.kv_budget_bytes
+        if need > budget:
+            raise ApiError(
+                "context_length_exceeded",
+                f"This request needs about {need / 2**20:.0f} MiB of KV cache ({prompt_tokens} prompt tokens + "
+                f"{max_tokens} max_tokens at {per_token} bytes each), more than this model's budget of "
+                f"{budget / 2**20:.0f} MiB; shorten the messages or lower max_tokens.", param="max_tokens")
+
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
         resource = self.models.lookup(request.model)
         loaded = resource.require()
@@ -110,6 +123,7 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise ApiError("invalid_request", "The prompt is empty after applying the chat template.", param="messages")
+        self._check_kv_budget(resource, loaded, len(ids), request.max_tokens or 1)
         room = loaded.context_length - len(ids)
         if request.max_tokens is not None:
             if request.max_tokens > room:

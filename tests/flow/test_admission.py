@@ -45,3 +45,19 @@ def test_anthropic_overflow_is_529_overloaded_error(narrow_server: RunningServer
     assert 200 in statuses and 529 in statuses and set(statuses) <= {200, 529}, statuses
     refused = next(r for r in responses if r.status_code == 529)
     assert refused.json()["error"]["type"] == "overloaded_error" and int(refused.headers["retry-after"]) >= 1
+
+
+def test_request_beyond_the_kv_budget_is_refused_up_front(tiny_qwen3: Path) -> None:
+    with running_server(graph_with_model(tiny_qwen3, kv_budget_bytes=64 * 1024)) as server:
+        per_token = server.server.models[0].require().engine.kv_bytes_per_token()
+        fits = max(1, (64 * 1024) // per_token - 40)
+        ok = httpx.post(server.url + "/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": min(fits, 8)})
+        assert ok.status_code == 200, ok.text
+        r = httpx.post(server.url + "/chat/completions", json={
+            "model": "tiny", "messages": USER, "max_tokens": 2000})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert "KV cache" in r.json()["error"]["message"] and "MiB" in r.json()["error"]["message"]
+        a = httpx.post(server.base_url + "/v1/messages", json={"model": "tiny", "messages": USER, "max_tokens": 2000})
+        assert a.status_code == 400 and a.json()["error"]["type"] == "invalid_request_error"
+        assert server.health()["models"][0]["kv_budget_bytes"] == 64 * 1024
