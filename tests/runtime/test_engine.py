@@ -185,7 +185,7 @@ async def test_batched_greedy_matches_mlx_lm_generate(device: DeviceThread, engi
         assert got.tokens == want
         assert got.finish == ("length" if len(want) == 40 else "stop")
     assert engine.stats.peak_batch >= 4  # they really decoded together
-    assert engine.stats.grouped_prefills >= 1  # and some prompts were prefilled together
+    # (Whether some prompts were also prefilled together depends on arrival timing: not asserted here.)
     assert engine.active == 0 and engine.stats.kv_bytes == 0
 
 
