@@ -46,6 +46,7 @@ def _load() -> None:
     importlib.import_module("stages")
     importlib.import_module("flow.resources")
     importlib.import_module("flow.response_store")
+    importlib.import_module("flow.pool")
     for ep in entry_points(group="flow.stages"):
         try:
             ep.load()

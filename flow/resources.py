@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import trio
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -23,7 +23,7 @@ from flow.registry import register_resource
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
 from runtime.engine import EngineConfig, Strategy
-from runtime.models import LoadedModel, load_model, resolve_model_path
+from runtime.models import LoadedModel, load_model, resolve_model_path, unload_model
 
 log = logging.getLogger("flow.resources")
 
@@ -46,6 +46,9 @@ class ModelConfig(ResourceConfig):
                                                           "new ones get 429 with Retry-After")
     default_max_tokens: int = Field(default=2048, ge=1, description="max_tokens when a request gives none")
     family: str = Field(default="auto", description="model family (graphs/families/*.toml), or auto-detect")
+    load: Literal["eager", "lazy"] = Field(
+        default="eager", description="eager: load when the server starts; lazy: on the first request for it")
+    pin: bool = Field(default=False, description="never evicted from the model pool")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
@@ -70,24 +73,85 @@ class ModelResource:
         self.name = config.name or resource_id
         self.loaded: LoadedModel | None = None
         self.family: Family = builtin_families()["default"]
+        self.pool: Any = None  # the graph's model_pool resource, if it has one (set by its bind())
+        self.last_used = 0.0
+        self.loads = 0
+        self._device: DeviceThread | None = None
+        self._loading: trio.Event | None = None
+        self._load_error: BaseException | None = None
 
     @property
     def ids(self) -> list[str]:
         return [self.name, *self.config.aliases]
 
+    @property
+    def state(self) -> str:
+        return "ready" if self.loaded is not None else "loading" if self._loading is not None else "unloaded"
+
     async def start(self, device: DeviceThread) -> None:
+        self._device = device
+        if self.config.load == "eager":
+            await self.load()
+
+    async def load(self) -> None:
+        """Load the model (once, however many requests ask at the same time)."""
+        if self.loaded is not None:
+            return
+        if self._loading is not None:
+            await self._loading.wait()
+            if self.loaded is None:
+                raise ApiError("internal", f"Model {self.name!r} failed to load: {self._load_error}")
+            return
+        assert self._device is not None, "the server starts resources before requests arrive"
+        self._loading = trio.Event()
+        try:
+            if self.pool is not None:
+                await self.pool.make_room(self)
+            await self._load(self._device)
+        except BaseException as exc:
+            self._load_error = exc
+            raise
+        finally:
+            self._loading.set()
+            self._loading = None
+
+    async def _load(self, device: DeviceThread) -> None:
         path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
-        self.loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config)
+        loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config)
         # A probed model is served as the probe showed works; others by family detection.
         probed = CapabilityStore().get(path) if self.config.family == "auto" else None
         self.family = (family_from_capabilities(probed, builtin_families()) if probed is not None else
                        resolve_family(self.config.family, path, f"{self.name} {self.config.path}",
-                                      getattr(self.loaded.tokenizer, "chat_template", None)))
+                                      getattr(loaded.tokenizer, "chat_template", None)))
+        self.loaded, self.last_used = loaded, time.monotonic()
+        self.loads += 1
         log.info("model %s ready (%.1f s, family %s)%s", self.name, time.perf_counter() - started, self.family.name,
-                 " — SMOKE-TEST MODEL: random weights, output is gibberish" if self.loaded.smoke_test else "")
+                 " — SMOKE-TEST MODEL: random weights, output is gibberish" if loaded.smoke_test else "")
+
+    async def ensure_loaded(self) -> LoadedModel:
+        """The loaded model, loading it first if the pool unloaded it (or it is lazy)."""
+        self.last_used = time.monotonic()
+        if self.loaded is None:
+            await self.load()
+        assert self.loaded is not None
+        return self.loaded
+
+    def busy(self, grace: float) -> bool:
+        """In use: sequences in its engine, or a request that touched it in the last ``grace`` seconds
+        (one that is between prepare and generate)."""
+        if self.loaded is None:
+            return False
+        engine = self.loaded.engine
+        return bool(engine.active or engine.waiting) or time.monotonic() - self.last_used < grace
+
+    async def unload(self) -> None:
+        loaded, self.loaded = self.loaded, None
+        if loaded is not None:
+            await trio.to_thread.run_sync(unload_model, loaded, loaded.engine.device)
+            log.info("model %s unloaded (%.0f MiB freed)", self.name, loaded.weight_bytes / 2**20)
 
     def close(self) -> None:
         if self.loaded is not None:
@@ -98,6 +162,7 @@ class ModelResource:
         return self.config.kv_budget_bytes or _half_of_memory()
 
     def require(self) -> LoadedModel:
+        self.last_used = time.monotonic()
         if self.loaded is None:
             raise ApiError("overloaded", f"Model {self.name!r} is still loading; retry shortly.", retry_after=2)
         return self.loaded

@@ -75,6 +75,7 @@ class FlowServer:
         }
         self.runners = {(r.method, r.path): RouteRunner(graph, r, self.stages) for r in graph.routes}
         self.started_at = time.time()
+        self.started = False  # every eagerly loaded resource is ready
         self.requests_total = 0
         self.requests_failed = 0
         self.requests_active = 0
@@ -90,11 +91,22 @@ class FlowServer:
         return [r for r in self.resources.values() if isinstance(r, ModelResource)]
 
     async def start(self) -> None:
-        """Load every resource (models on the device thread), concurrently."""
+        """Bind resources that manage others (a model pool), then start every resource concurrently."""
         self.device.start()
+        for resource in self.resources.values():
+            if hasattr(resource, "bind"):
+                resource.bind(self.resources)
         async with trio.open_nursery() as nursery:
             for resource in self.resources.values():
                 nursery.start_soon(resource.start, self.device)
+        self.started = True
+
+    async def run_duties(self) -> None:
+        """Resources' background duties while serving (a pool's idle unloading), until cancelled."""
+        async with trio.open_nursery() as nursery:
+            for resource in self.resources.values():
+                if hasattr(resource, "run"):
+                    nursery.start_soon(resource.run)
 
     def close(self) -> None:
         for resource in self.resources.values():
@@ -185,9 +197,8 @@ class FlowServer:
                 "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
     def health_json(self) -> dict[str, Any]:
-        ready = all(m.loaded is not None for m in self.models)
         return {
-            "status": "ok" if ready else "loading",
+            "status": "ok" if self.started else "loading",
             "graph": self.graph.name,
             "uptime_seconds": round(time.time() - self.started_at, 1),
             "requests": {"total": self.requests_total, "active": self.requests_active,
@@ -259,7 +270,7 @@ class FlowServer:
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
         out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
-                               "family": model.family.name}
+                               "state": model.state, "family": model.family.name}
         if model.loaded is not None:
             out.update(path=str(model.loaded.path), smoke_test=model.loaded.smoke_test,
                        context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,
@@ -366,6 +377,11 @@ async def serve(server: FlowServer, host: str, port: int, *,
     """Load the graph's resources, then serve HTTP until ``shutdown_trigger`` returns."""
     await server.start()
     app = create_app(server)
+
+    @app.before_serving
+    async def _duties() -> None:
+        app.nursery.start_soon(server.run_duties)
+
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]
     config.worker_class = "trio"

@@ -100,6 +100,7 @@ class LoadedModel:
     engine: Engine
     config: dict[str, Any]
     load_seconds: float
+    weight_bytes: int = 0  # device memory the weights take
 
     @property
     def context_length(self) -> int:
@@ -122,17 +123,33 @@ class LoadedModel:
 def load_model(name: str, path: Path, device: DeviceThread, engine_config: EngineConfig) -> LoadedModel:
     """Load weights and tokenizer on the device thread (blocking the caller)."""
 
-    def _load() -> tuple[Any, Any]:
+    def _load() -> tuple[Any, Any, int]:
+        from mlx.utils import tree_flatten
         from mlx_lm.utils import load
 
         loaded = load(str(path))
-        return loaded[0], loaded[1]
+        nbytes = sum(v.nbytes for _, v in tree_flatten(loaded[0].parameters()))
+        return loaded[0], loaded[1], nbytes
 
     log.info("loading model %s from %s …", name, path)
     start = time.perf_counter()
-    model, tokenizer = device.call(_load)
+    model, tokenizer, weight_bytes = device.call(_load)
     seconds = time.perf_counter() - start
     config = json.loads((path / "config.json").read_text())
     log.info("loaded model %s in %.1f s", name, seconds)
     engine = Engine(model, device, engine_config)
-    return LoadedModel(name, path, model, tokenizer, engine, config, seconds)
+    return LoadedModel(name, path, model, tokenizer, engine, config, seconds, weight_bytes)
+
+
+def unload_model(loaded: LoadedModel, device: DeviceThread) -> None:
+    """Stop the model's engine and give its memory back (blocking the caller)."""
+    import mlx.core as mx
+
+    loaded.engine.close()
+    loaded.model = None
+    device.call(mx.clear_cache)
+
+
+def weight_bytes_on_disk(path: Path) -> int:
+    """What loading ``path`` will roughly cost: the size of its weight files."""
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))

@@ -149,6 +149,7 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[ChatRequest], outbox: Outbox[PreparedPrompt]) -> None:
         async for request in inbox:
+            await self.models.lookup(request.model).ensure_loaded()  # a lazy or evicted model loads now
             # Templating and tokenizing an agent-sized prompt takes milliseconds: keep it off the event loop.
             await outbox.send(await trio.to_thread.run_sync(self.prepare, request))
 

@@ -1,0 +1,129 @@
+"""The ``model_pool`` resource: several models per graph, loaded on demand, within limits.
+
+Without a pool every model loads when the server starts and stays. With one,
+the graph's models share its limits: at most ``max_loaded`` models and
+``max_bytes`` of weights at once. A request for an unloaded model loads it
+(requests for a model that is loading wait for that one load); making room
+evicts the least recently used model that is neither pinned nor busy.
+``idle_unload_seconds`` unloads models nobody has used for that long.
+
+"Busy" protects in-flight requests: a model with sequences in its engine, or
+one a request touched within ``grace_seconds`` (a request between prepare and
+generate has no sequence yet), is never evicted. When nothing can be evicted,
+a load waits up to ``wait_seconds`` for room, then the request is answered
+429/529 with a retry-after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import trio
+from pydantic import Field
+
+from flow.registry import register_resource
+from flow.resources import ModelResource, ResourceConfig
+from protocols.errors import ApiError
+from runtime.device import DeviceThread
+from runtime.models import resolve_model_path, weight_bytes_on_disk
+
+log = logging.getLogger("flow.pool")
+
+
+class PoolConfig(ResourceConfig):
+    max_loaded: int | None = Field(default=None, ge=1, description="models loaded at once (default: no limit)")
+    max_bytes: int | None = Field(default=None, ge=1, description="weight bytes loaded at once (default: no limit)")
+    idle_unload_seconds: float | None = Field(default=None, gt=0, description="unload unpinned models idle this long")
+    grace_seconds: float = Field(default=2.0, ge=0, description="a model used this recently counts as busy")
+    wait_seconds: float = Field(default=120.0, gt=0, description="how long a load waits for room before 429/529")
+
+
+@register_resource
+class ModelPool:
+    type_name: ClassVar[str] = "model_pool"
+    Config: ClassVar[type[ResourceConfig]] = PoolConfig
+    description: ClassVar[str] = "shares load limits (count, bytes, idle time) among the graph's models"
+
+    def __init__(self, resource_id: str, config: PoolConfig) -> None:
+        self.id = resource_id
+        self.config = config
+        self.models: list[ModelResource] = []
+        self.evictions = 0
+        self.idle_unloads = 0
+        self._room: trio.Lock | None = None  # made inside the trio run, on first use
+
+    def bind(self, resources: Mapping[str, Any]) -> None:
+        """Take charge of every model resource of the graph."""
+        self.models = [r for r in resources.values() if isinstance(r, ModelResource)]
+        for model in self.models:
+            model.pool = self
+
+    async def start(self, device: DeviceThread) -> None:
+        """Nothing to load; the models load themselves."""
+
+    def close(self) -> None:
+        """The models close themselves."""
+
+    def _loaded(self, besides: ModelResource | None = None) -> list[ModelResource]:
+        return [m for m in self.models if m.loaded is not None and m is not besides]
+
+    def _over(self, incoming: ModelResource, incoming_bytes: int) -> bool:
+        loaded = self._loaded(incoming)
+        if self.config.max_loaded is not None and len(loaded) + 1 > self.config.max_loaded:
+            return True
+        used = sum(m.loaded.weight_bytes for m in loaded if m.loaded is not None)
+        return self.config.max_bytes is not None and used + incoming_bytes > self.config.max_bytes
+
+    async def make_room(self, incoming: ModelResource) -> None:
+        """Evict least recently used idle models until ``incoming`` fits; wait for room if none is idle."""
+        if self._room is None:
+            self._room = trio.Lock()
+        path = await trio.to_thread.run_sync(resolve_model_path, incoming.config.path)
+        incoming_bytes = await trio.to_thread.run_sync(weight_bytes_on_disk, path)
+        if self.config.max_bytes is not None and incoming_bytes > self.config.max_bytes:
+            raise ApiError("invalid_request", f"Model {incoming.name!r} needs about {incoming_bytes / 2**20:.0f} "
+                           f"MiB, more than the pool's max_bytes ({self.config.max_bytes / 2**20:.0f} MiB).",
+                           param="model")
+        deadline = trio.current_time() + self.config.wait_seconds
+        async with self._room:  # one eviction decision at a time
+            while self._over(incoming, incoming_bytes):
+                idle = [m for m in self._loaded(incoming) if not m.config.pin and not m.busy(self.config.grace_seconds)]
+                if idle:
+                    victim = min(idle, key=lambda m: m.last_used)
+                    log.info("pool %s: evicting %s to load %s", self.id, victim.name, incoming.name)
+                    self.evictions += 1
+                    await victim.unload()
+                    continue
+                if trio.current_time() >= deadline:
+                    raise ApiError("overloaded", f"Every loaded model is busy or pinned; {incoming.name!r} cannot "
+                                   "be loaded now.", retry_after=5)
+                await trio.sleep(0.05)
+
+    async def run(self) -> None:
+        """Background duty while serving: unload models idle for ``idle_unload_seconds``."""
+        idle_after = self.config.idle_unload_seconds
+        if idle_after is None:
+            return
+        while True:
+            await trio.sleep(min(idle_after / 4, 5.0))
+            for model in self._loaded():
+                if not model.config.pin and not model.busy(idle_after):
+                    log.info("pool %s: unloading %s (idle %.0f s)", self.id, model.name,
+                             time.monotonic() - model.last_used)
+                    self.idle_unloads += 1
+                    await model.unload()
+
+    def stats(self) -> dict[str, Any]:
+        loaded = self._loaded()
+        return {
+            "type": self.type_name,
+            "loaded": [m.name for m in loaded],
+            "loaded_bytes": sum(m.loaded.weight_bytes for m in loaded if m.loaded is not None),
+            "pinned": [m.name for m in self.models if m.config.pin],
+            "models": {m.name: {"state": m.state, "loads": m.loads} for m in self.models},
+            "max_loaded": self.config.max_loaded, "max_bytes": self.config.max_bytes,
+            "evictions": self.evictions, "idle_unloads": self.idle_unloads,
+        }
