@@ -82,6 +82,9 @@ class Family(_Strict):
     tools: Tools = Tools()
     reasoning: Reasoning = Reasoning()
     stop_tokens: list[str] = Field(default_factory=list, description="extra tokens that end generation")
+    mid_system: Literal["keep", "user"] = Field(
+        default="user", description="system messages after the first: keep them as system turns (templates that "
+        "render a system turn anywhere), or fold them into the neighbouring user turn (templates that reject them)")
 
     def score(self, model_type: str | None, architectures: list[str], name: str, template: str) -> int:
         """How well this family's rules match a model (0: not at all)."""

@@ -119,7 +119,8 @@ class ToolResultBlock(_Lenient):
 
 
 class MessageIn(_Lenient):
-    role: Literal["user", "assistant"]
+    # "system" turns inside ``messages``: Claude Code's mid-conversation system beta.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

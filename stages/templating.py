@@ -12,6 +12,9 @@ in what their templates accept, and :func:`template_inputs` adapts:
   with neighbouring user turns, since such templates insist on alternation);
 * **call ids** — ``alnum9``: ids are rewritten, consistently within the
   request, to the 9 letters and digits Mistral templates demand;
+* **system turns after the first** (Claude Code sends some mid-conversation) —
+  kept where the family's template renders them, else folded into the
+  neighbouring user turn;
 * **one call per message** — multi-call assistant turns are split, each call
   followed by its own result (Llama 3.1 refuses more than one);
 * **thinking** — the request's on/off goes to the family's template switch;
@@ -134,11 +137,18 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
             if calls:
                 text = render_calls(family.tools.parser, calls)
                 msg["content"] = f"{msg['content']}\n{text}" if msg.get("content") else text
+    merge = family.tools.tool_role == "user"  # such templates insist on alternating turns
+    if family.mid_system == "user":
+        for k, msg in enumerate(messages[1:], start=1):
+            if msg["role"] in ("system", "developer"):
+                messages[k] = {"role": "user", "content": msg["content"]}
+                merge = True
     if family.tools.tool_role == "user":
         for k, msg in enumerate(messages):
             if msg["role"] == "tool":
                 name = f' name="{msg["name"]}"' if msg.get("name") else ""
                 messages[k] = {"role": "user", "content": f"<tool_response{name}>\n{msg['content']}\n</tool_response>"}
+    if merge:
         messages = _merge_users(messages)
     extra = "\n\n".join(s for s in system_extra if s)
     if extra:

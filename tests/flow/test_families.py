@@ -100,6 +100,23 @@ def test_qwen3_thinking_toggle_and_tool_choice() -> None:
     assert "get_weather" not in hidden
 
 
+MID_SYSTEM = [Message("system", "You are terse."), Message("user", "Hi"), Message("assistant", "Hello."),
+              Message("system", "The date is 2026-11-22."), Message("user", "What day is it?")]
+
+
+@pytest.mark.parametrize(("preset", "family"), [("tiny-qwen3", "qwen3"), ("tiny-llama", "llama3"),
+                                               ("tiny-gemma3", "gemma3")])
+def test_mid_conversation_system_turns_render_in_every_family(preset: str, family: str) -> None:
+    """Claude Code sends system turns inside ``messages``: kept where the template renders them, else
+    folded into the next user turn (Gemma 3's template rejects any non-alternating role)."""
+    text = prompt_for(preset, family, MID_SYSTEM)
+    assert text.index("Hello.") < text.index("The date is 2026-11-22.") < text.index("What day is it?")
+    mode = builtin_families()[family].mid_system
+    assert mode == ("keep" if family == "qwen3" else "user")
+    if mode == "keep":
+        assert "<|im_start|>system\nThe date is 2026-11-22." in text
+
+
 def test_mistral_ids_are_rewritten_to_nine_alphanumerics() -> None:
     from stages.templating import template_inputs
 

@@ -208,7 +208,7 @@ def test_raw_sse_event_grammar(qwen3_server: RunningServer) -> None:
         (json.dumps({"model": "tiny", "messages": MESSAGES}).encode(), 400, "invalid_request_error", "max_tokens"),
         (json.dumps({"model": "tiny", "max_tokens": 5, "messages": []}).encode(), 400, "invalid_request_error",
          "messages"),
-        (json.dumps({"model": "tiny", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}).encode(),
+        (json.dumps({"model": "tiny", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}).encode(),
          400, "invalid_request_error", "messages[0].role"),
         (json.dumps({"model": "tiny", "max_tokens": 5, "temperature": 3, "messages": MESSAGES}).encode(), 400,
          "invalid_request_error", "temperature"),
