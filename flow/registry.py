@@ -47,6 +47,7 @@ def _load() -> None:
     importlib.import_module("flow.resources")
     importlib.import_module("flow.response_store")
     importlib.import_module("flow.pool")
+    importlib.import_module("flow.prefix")
     for ep in entry_points(group="flow.stages"):
         try:
             ep.load()

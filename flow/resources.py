@@ -24,6 +24,7 @@ from protocols.errors import ApiError
 from runtime.device import DeviceThread
 from runtime.engine import EngineConfig, Strategy
 from runtime.models import LoadedModel, load_model, resolve_model_path, unload_model
+from runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger("flow.resources")
 
@@ -74,6 +75,7 @@ class ModelResource:
         self.loaded: LoadedModel | None = None
         self.family: Family = builtin_families()["default"]
         self.pool: Any = None  # the graph's model_pool resource, if it has one (set by its bind())
+        self.prefix_cache: PrefixCache | None = None  # the graph's prefix cache, if any (set by its bind())
         self.last_used = 0.0
         self.loads = 0
         self._device: DeviceThread | None = None
@@ -120,7 +122,7 @@ class ModelResource:
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
-        loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config)
+        loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config, self.prefix_cache)
         # A probed model is served as the probe showed works; others by family detection.
         probed = CapabilityStore().get(path) if self.config.family == "auto" else None
         self.family = (family_from_capabilities(probed, builtin_families()) if probed is not None else

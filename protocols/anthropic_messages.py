@@ -31,8 +31,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from protocols.cache_fields import cache_control_ttl
 from protocols.errors import STATUS, ApiError
 from protocols.ir import (
+    CachePolicy,
     ChatRequest,
     FinalResult,
     Message,
@@ -290,6 +292,7 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,
+        cache=CachePolicy(ttl_seconds=cache_control_ttl(parsed.model_dump(exclude_none=True))),
     )
 
 
@@ -320,12 +323,12 @@ def stop_reason(finish_reason: str, stop_sequence: str | None) -> str:
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    # Anthropic counts cache reads apart from input_tokens.
+    # Anthropic counts cache reads and cache writes apart from input_tokens (the three add up to the prompt).
     return {
-        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens - usage.cache_write_tokens,
         "output_tokens": usage.completion_tokens,
         "cache_read_input_tokens": usage.cached_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": usage.cache_write_tokens,
     }
 
 
@@ -371,7 +374,8 @@ class MessagesStreamEncoder:
         self._thinking: list[str] = []
 
     def start(self) -> list[bytes]:
-        usage = usage_json(Usage(self.started.prompt_tokens, 0, self.started.cached_tokens))
+        usage = usage_json(Usage(self.started.prompt_tokens, 0, self.started.cached_tokens,
+                                 self.started.cache_write_tokens))
         message = {
             "id": message_id(self.request), "type": "message", "role": "assistant", "content": [],
             "model": self.request.model, "stop_reason": None, "stop_sequence": None, "usage": usage,

@@ -74,6 +74,25 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+CacheMode = Literal["full", "prefix"]
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How a request's KV cache is kept for later requests (the prefix cache).
+
+    ``mode``: ``full`` keeps the prompt and the answer (the next turn of the
+    conversation reuses both), ``prefix`` only the prompt. ``ttl_seconds``: how
+    long its blocks live after their last use (None: the cache's default; 0: in
+    memory only, never written to disk). ``session_id`` names a conversation
+    (OpenAI extension field, the agents API) so its cache state can be reported.
+    """
+
+    mode: CacheMode = "full"
+    ttl_seconds: float | None = None
+    session_id: str | None = None
+
+
 @dataclass(frozen=True)
 class Message:
     """One chat message, already in the shape chat templates expect."""
@@ -112,6 +131,7 @@ class ChatRequest:
     request_id: str = ""
     created: int = 0
     user: str | None = None
+    cache: CachePolicy = CachePolicy()
     # Protocol-specific values that only the protocol's own exit stage reads back
     # (e.g. Responses' ``store`` and ``previous_response_id``); other stages ignore them.
     extensions: tuple[tuple[str, Any], ...] = ()
@@ -138,7 +158,8 @@ class GenerationStarted:
 
     prompt: PreparedPrompt
     prompt_tokens: int
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache
+    cache_write_tokens: int = 0  # prompt tokens this request adds to the prefix cache
 
 
 @dataclass(frozen=True)
@@ -172,7 +193,8 @@ Generation = Union[GenerationStarted, TokenChunk]
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, read from the prefix cache
+    cache_write_tokens: int = 0  # of prompt_tokens, written to the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -187,6 +209,7 @@ class ResponseStarted:
     prompt_tokens: int
     cached_tokens: int = 0
     prompt_text: str = ""  # the prompt as text (legacy completions echo it)
+    cache_write_tokens: int = 0
 
 
 @dataclass(frozen=True)

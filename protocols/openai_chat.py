@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols.cache_fields import SessionFields
 from protocols.errors import STATUS, ApiError
 from protocols.ir import (
     ChatRequest,
@@ -86,7 +87,7 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
-class OpenAISamplingFields(_Lenient):
+class OpenAISamplingFields(SessionFields):
     """The sampling and streaming fields chat completions and legacy completions share."""
 
     model: str = Field(min_length=1)
@@ -243,6 +244,7 @@ def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatReque
         request_id=request_id,
         created=created,
         user=parsed.user,
+        cache=parsed.cache_policy(),
     )
 
 

@@ -79,6 +79,7 @@ def decode_completion_request(body: bytes, request_id: str, created: int) -> Cha
         request_id=request_id,
         created=created,
         user=parsed.user,
+        cache=parsed.cache_policy(),
         extensions=((ECHO, parsed.echo),),
     )
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols.cache_fields import SessionFields
 from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
@@ -86,7 +87,7 @@ class ReasoningIn(_Lenient):
     effort: str | None = None
 
 
-class ResponsesBody(_Lenient):
+class ResponsesBody(SessionFields):
     model: str = Field(min_length=1)
     input: str | list[InputItem] = ""
     instructions: str | None = None
@@ -259,6 +260,7 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         request_id=request_id,
         created=created,
         user=parsed.user,
+        cache=parsed.cache_policy(),
         extensions=((ECHO, echo), (HISTORY_START, start)),
     )
 

@@ -18,9 +18,9 @@ A sequence moves through three places:
   Any other prompt is prefilled alone, into a cache of its *own* (a plain
   single-sequence mlx-lm prompt cache), in chunks that may span steps — so a
   long prompt never stalls the running streams for more than one chunk. A
-  sequence may arrive with its first N prompt tokens already in such a cache
-  (``submit(prompt_cache=..., cached_tokens=N)``): that is how a prefix cache
-  plugs in; its prefill starts at token N.
+  sequence may arrive with a prefix-cache hit (``submit(prefix=...)``, from
+  :meth:`Engine.match_prefix`): its cache is built from the hit's blocks when
+  its prefill begins, and the prefill starts after them.
 * **ready**: prefilled rows, joining the batch at the end of the step.
 * **the decode batch**: one left-padded batch KV cache per layer (mlx-lm's
   ``BatchKVCache`` / ``BatchRotatingKVCache``). Ready sequences are *merged*
@@ -40,6 +40,11 @@ A sequence moves through three places:
   first generated token comes out the step after. Finished and cancelled rows
   are removed with the caches' ``filter`` (their KV memory goes with them);
   the one extra token computed for a finished row is dropped.
+
+With a prefix cache (:mod:`runtime.prefix_cache`) the engine hands it the
+prompt's blocks once a prompt is prefilled and, for ``cache_mode = "full"``,
+the prompt's and answer's blocks when a sequence finishes (read from its batch
+row before the row is dropped).
 
 The decoded tokens of a step go to trio in **one** ``run_sync_soon`` crossing
 per trio run, before any prefill work of the step (a sequence that fails in
@@ -86,8 +91,9 @@ import trio
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from protocols.ir import FinishReason, SamplingParams, TokenChunk, TokenLogprob
+from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from runtime.device import DeviceThread
+from runtime.prefix_cache import PrefixCache, PrefixHit, Slicer, unsupported_reason
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 
 log = logging.getLogger("flow.engine")
@@ -129,6 +135,8 @@ class SequenceHandle:
         self._send = send
         self.error: BaseException | None = None
         self.finished = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
+        self.cache_write_tokens = 0  # prompt tokens this sequence adds to the prefix cache
 
     def cancel(self) -> None:
         """Ask the engine to drop this sequence at its next step (idempotent)."""
@@ -152,8 +160,11 @@ class _Sequence:
     max_tokens: int
     stop_ids: frozenset[int]
     sampler: SequenceSampler
+    policy: CachePolicy = CachePolicy()
+    hit: PrefixHit | None = None  # prefix-cache blocks to build ``cache`` from, until it is built
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
-    prefilled: int = 0  # prompt tokens in ``cache``
+    prefilled: int = 0  # prompt tokens in ``cache`` (or in ``hit``)
+    fed: list[int] = field(default_factory=list)  # generated tokens that went back in as inputs
     fresh: bool = False  # in the batch, and its input this step is its last prompt token
     generated: int = 0
     history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
@@ -256,10 +267,15 @@ class EngineStats:
 class Engine:
     """Runs sequences of one model on the device thread, batched."""
 
-    def __init__(self, model: Any, device: DeviceThread, config: EngineConfig = EngineConfig()) -> None:
+    def __init__(self, model: Any, device: DeviceThread, config: EngineConfig = EngineConfig(),
+                 prefix: PrefixCache | None = None, namespace: bytes = b"") -> None:
         self.model = model
         self.device = device
         self.config = config
+        # The prefix cache, when the model's layer caches can be cut into blocks.
+        self.prefix_unsupported = unsupported_reason(make_prompt_cache(model)) if prefix is not None else None
+        self.prefix = prefix if self.prefix_unsupported is None else None
+        self.namespace = namespace
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -282,25 +298,40 @@ class Engine:
         device.add_stepper(self)
 
     # ------------------------------------------------------------------ trio side
+    async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy()) -> PrefixHit | None:
+        """The prefix cache's longest match for ``prompt`` (None without a cache); pass it to :meth:`submit`.
+
+        Runs on a worker thread: a warm match reads its blocks from disk.
+        """
+        if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
+            return None
+        hit = await trio.to_thread.run_sync(self.prefix.match, self.namespace, prompt, policy.ttl_seconds)
+        return hit if hit.blocks else None
+
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
-               prompt_cache: list[Any] | None = None, cached_tokens: int = 0) -> SequenceHandle:
+               prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy()) -> SequenceHandle:
         """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
 
-        ``prompt_cache`` (with ``cached_tokens``) hands in a single-sequence
-        mlx-lm prompt cache of this model that already holds the first
-        ``cached_tokens`` prompt tokens, e.g. from a prefix cache. The engine
-        takes it over and extends it in place. At least the last prompt token
-        must be left uncached (its forward pass gives the first logits): trim a
-        whole-prompt hit by one token first.
+        ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
+        takes over its references (also when it refuses the sequence).
+        ``policy`` says what of the sequence the prefix cache keeps.
         """
+        try:
+            return self._submit(prompt, max_tokens, stop_ids, sampling, prefix, policy)
+        except BaseException:
+            if prefix is not None and self.prefix is not None:
+                self.prefix.release(prefix)
+            raise
+
+    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
+                prefix: PrefixHit | None, policy: CachePolicy) -> SequenceHandle:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        if prompt_cache is None and cached_tokens:
-            raise ValueError("cached_tokens needs the prompt_cache that holds them")
+        cached_tokens = prefix.tokens if prefix is not None else 0
         if not 0 <= cached_tokens < len(prompt):
-            raise ValueError(f"cached_tokens must be in [0, {len(prompt) - 1}] for a {len(prompt)}-token prompt")
+            raise ValueError(f"a prefix hit must leave at least the last of the {len(prompt)} prompt tokens")
         waiting = self.waiting
         if waiting >= self.config.max_queue:
             with self._lock:
@@ -312,7 +343,11 @@ class Engine:
         handle = SequenceHandle(self, next(self._ids), send, receive)
         seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
                         max_tokens=max_tokens, stop_ids=stop_ids, sampler=SequenceSampler(sampling),
-                        cache=prompt_cache, prefilled=cached_tokens)
+                        policy=policy, hit=prefix, prefilled=cached_tokens)
+        handle.cached_tokens = cached_tokens
+        if self.prefix is not None:
+            b = self.prefix.config.block_tokens
+            handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
         with self._lock:
             self._inbox.append(seq)
             self.stats.submitted += 1
@@ -374,6 +409,8 @@ class Engine:
             recent_prefill_tokens_per_second=round(recent_prefill, 1),
             ttft_ms_median_recent=round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
             kv_bytes_per_token=self.kv_bytes_per_token(),
+            prefix_cache="on" if self.prefix is not None else
+                         f"off: {self.prefix_unsupported}" if self.prefix_unsupported else "off",
         )
         for key in ("decode_seconds", "prefill_seconds"):
             out[key] = round(out[key], 3)
@@ -438,6 +475,9 @@ class Engine:
             return
         gone = 0
         kept = [s for s in self._waiting if s.handle.id not in cancelled]
+        for seq in self._waiting:
+            if seq.handle.id in cancelled:
+                self._drop_hit(seq)
         gone += len(self._waiting) - len(kept)
         self._waiting = deque(kept)  # dropped sequences take their own caches with them
         for rows in [*self._ready, self._batch]:
@@ -490,7 +530,7 @@ class Engine:
                 n = min(budget, remaining)
                 try:
                     if seq.cache is None:
-                        seq.cache = make_prompt_cache(self.model)
+                        seq.cache = self._new_cache(seq)
                     chunk = mx.array(seq.prompt[seq.prefilled : seq.prefilled + n])
                     self.model(chunk[None], cache=seq.cache)
                     mx.eval([c.state for c in seq.cache])
@@ -508,7 +548,8 @@ class Engine:
             self._waiting.popleft()
             try:
                 if seq.cache is None:
-                    seq.cache = make_prompt_cache(self.model)  # a one-token prompt: nothing to prefill
+                    seq.cache = self._new_cache(seq)  # nothing (more) to prefill
+                self._keep_prefix(seq, _own_slicer(seq.cache))
                 self._ready.append(_Rows.merge([seq]))
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
@@ -522,7 +563,7 @@ class Engine:
         room = self._room()
         for seq in self._waiting:
             n = len(seq.prompt) - 1
-            if seq.cache is not None or n < 1 or len(group) >= room:
+            if seq.cache is not None or seq.hit is not None or n < 1 or len(group) >= room:
                 break
             if max(longest, n) * (len(group) + 1) > budget:
                 break
@@ -545,8 +586,9 @@ class Engine:
             for c in rows.cache:
                 c.finalize()  # the padding moves to the left, where the batch expects it
         mx.eval([c.state for c in rows.cache])
-        for seq in group:
+        for row, seq in enumerate(group):
             seq.prefilled = len(seq.prompt) - 1
+            self._keep_prefix(seq, _row_slicer(rows.cache, row))
         return rows
 
     def _admit(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
@@ -592,8 +634,11 @@ class Engine:
         keep: list[int] = []
         emitted = 0
         now = time.perf_counter()
+        finished_rows: list[int] = []
         for i, seq in enumerate(batch.seqs):
             token = values[i]
+            if not seq.fresh:
+                seq.fed.append(token)
             if seq.sampler.processors:
                 seq.history.append(token)
                 if len(seq.history) > 4 * seq.sampler.history_window:
@@ -624,6 +669,12 @@ class Engine:
             else:
                 self.stats.finished += 1
                 self._finish_times.append(now)
+                finished_rows.append(i)
+        if self.prefix is not None:
+            for i in finished_rows:
+                seq = batch.seqs[i]
+                if seq.policy.mode == "full":
+                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
         batch.inputs = sample.tokens
         batch.report = (list(batch.seqs), sample.report) if sample.report else None
         batch.keep(keep)
@@ -656,7 +707,34 @@ class Engine:
         for seq in seqs:
             seq.handle.error = exc
             seq.cache = None
+            self._drop_hit(seq)
             out.append((seq, None))
+
+    # ------------------------------------------------------------------ prefix cache
+    def _new_cache(self, seq: _Sequence) -> list[Any]:
+        """A sequence's own cache: built from its prefix hit, or empty."""
+        if seq.hit is None or self.prefix is None:
+            return make_prompt_cache(self.model)
+        hit, seq.hit = seq.hit, None
+        return self.prefix.build(hit)
+
+    def _drop_hit(self, seq: _Sequence) -> None:
+        if seq.hit is not None and self.prefix is not None:
+            self.prefix.release(seq.hit)
+        seq.hit = None
+
+    def _keep_prefix(self, seq: _Sequence, slicer: Slicer, tokens: list[int] | None = None) -> None:
+        """Give the prefix cache the blocks it lacks of ``tokens``: prompt and answer when the sequence has
+        finished, else its prefilled prompt. A session's turn is its last store (its finish, or its prompt in
+        ``prefix`` mode)."""
+        if self.prefix is None:
+            return
+        last = tokens is not None or seq.policy.mode == "prefix"
+        try:
+            self.prefix.store(self.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
+                              ttl=seq.policy.ttl_seconds, session_id=seq.policy.session_id if last else None)
+        except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
+            log.exception("prefix cache: could not store a sequence's blocks")
 
     def _deliver(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
         if not out:
@@ -686,6 +764,24 @@ def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
         if chunk.finish_reason is not None:
             handle.finished = True
             handle._send.close()
+
+
+def _own_slicer(cache: list[Any]) -> Slicer:
+    """Positions of a single-sequence cache (one KVCache per layer)."""
+    def read(start: int, end: int) -> list[mx.array]:
+        return [a for c in cache for a in (c.keys[..., start:end, :], c.values[..., start:end, :])]
+    return read
+
+
+def _row_slicer(cache: list[Any], row: int) -> Slicer:
+    """Positions of one row of a left-padded batch cache (one BatchKVCache per layer)."""
+    pads = [int(c.left_padding[row].item()) for c in cache]
+
+    def read(start: int, end: int) -> list[mx.array]:
+        return [a for c, p in zip(cache, pads)
+                for a in (c.keys[row : row + 1, :, p + start : p + end, :],
+                          c.values[row : row + 1, :, p + start : p + end, :])]
+    return read
 
 
 def _merge_caches(caches: list[list[Any]]) -> list[Any]:

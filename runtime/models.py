@@ -24,6 +24,7 @@ from typing import Any
 
 from runtime.device import DeviceThread
 from runtime.engine import Engine, EngineConfig
+from runtime.prefix_cache import PrefixCache, namespace_of
 
 log = logging.getLogger("flow.models")
 
@@ -120,7 +121,8 @@ class LoadedModel:
         return bool(self.config.get("flow_smoke_test"))
 
 
-def load_model(name: str, path: Path, device: DeviceThread, engine_config: EngineConfig) -> LoadedModel:
+def load_model(name: str, path: Path, device: DeviceThread, engine_config: EngineConfig,
+               prefix: PrefixCache | None = None) -> LoadedModel:
     """Load weights and tokenizer on the device thread (blocking the caller)."""
 
     def _load() -> tuple[Any, Any, int]:
@@ -137,7 +139,7 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
     seconds = time.perf_counter() - start
     config = json.loads((path / "config.json").read_text())
     log.info("loaded model %s in %.1f s", name, seconds)
-    engine = Engine(model, device, engine_config)
+    engine = Engine(model, device, engine_config, prefix, namespace_of(model_identity(path)))
     return LoadedModel(name, path, model, tokenizer, engine, config, seconds, weight_bytes)
 
 
@@ -148,6 +150,14 @@ def unload_model(loaded: LoadedModel, device: DeviceThread) -> None:
     loaded.engine.close()
     loaded.model = None
     device.call(mx.clear_cache)
+
+
+def model_identity(path: Path) -> str:
+    """What makes two loads the same weights: the directory and its weight files' sizes and times.
+
+    Prefix-cache keys start from it, so KV blocks never cross models (or a model's re-download)."""
+    files = sorted(path.glob("*.safetensors"))
+    return "|".join([str(path.resolve()), *(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)])
 
 
 def weight_bytes_on_disk(path: Path) -> int:

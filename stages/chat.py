@@ -201,7 +201,8 @@ class ChatProcess(Stage[Generation, StreamEvent]):
         stops = StopMatcher(request.stop)
         parser = response_parser(request, resource.family, prompt.text)
         calls = 0
-        await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text))
+        await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text,
+                                          header.cache_write_tokens))
         completion_tokens = 0
         async for chunk in inbox:
             assert isinstance(chunk, TokenChunk)
@@ -232,7 +233,7 @@ class ChatProcess(Stage[Generation, StreamEvent]):
             if finish is not None:
                 if calls and finish == "stop":
                     finish = "tool_calls"
-                usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens)
+                usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens, header.cache_write_tokens)
                 await outbox.send(ResponseFinished(finish, usage, stop_sequence=stops.matched))
                 return  # closing our inbox tells generate to drop the sequence
         raise ApiError("internal", "generation ended without a finish reason")

@@ -56,9 +56,12 @@ class Generate(Stage[PreparedPrompt, Generation]):
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         async for prompt in inbox:
             engine = self.models.lookup(prompt.model).require().engine
+            tokens = list(prompt.token_ids)
+            policy = prompt.request.cache
+            hit = await engine.match_prefix(tokens, policy)
             try:
-                handle = engine.submit(list(prompt.token_ids), max_tokens=prompt.max_tokens,
-                                       stop_ids=prompt.stop_token_ids, sampling=prompt.request.sampling)
+                handle = engine.submit(tokens, max_tokens=prompt.max_tokens, stop_ids=prompt.stop_token_ids,
+                                       sampling=prompt.request.sampling, prefix=hit, policy=policy)
             except EngineOverloaded as exc:
                 raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                                f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
@@ -66,7 +69,8 @@ class Generate(Stage[PreparedPrompt, Generation]):
             # client gone) cancels the sequence; the engine drops it next step.
             async with handle:
                 try:
-                    await outbox.send(GenerationStarted(prompt, prompt_tokens=len(prompt.token_ids)))
+                    await outbox.send(GenerationStarted(prompt, len(tokens), handle.cached_tokens,
+                                                        handle.cache_write_tokens))
                     async for chunk in handle.chunks:
                         await outbox.send(merge_pending(chunk, handle.chunks))
                 except trio.BrokenResourceError:

@@ -361,31 +361,7 @@ async def test_cancel_while_waiting_and_prefilling(qwen3: Loaded, engines: Engin
         handle.chunks.close()
 
 
-# --------------------------------------------------------------------------- prefix cache hand-in, stats
-
-async def test_sequence_can_start_from_a_prefilled_cache(qwen3: Loaded, engines: Engines) -> None:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    prompt = qwen3.chat(PROMPTS[2])
-    n = len(prompt) - 5
-
-    def prefill() -> list[Any]:
-        cache = make_prompt_cache(qwen3.model)
-        qwen3.model(mx.array(prompt[:n])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache
-
-    cache = qwen3.device.call(prefill)
-    engine = engines(qwen3)
-    handle = engine.submit(prompt, max_tokens=20, stop_ids=qwen3.eos, sampling=GREEDY, prompt_cache=cache,
-                           cached_tokens=n)
-    result = await collect(handle)
-    assert result.tokens == qwen3.reference(prompt, 20)
-    assert engine.stats.cached_tokens == n and engine.stats.prompt_tokens == len(prompt) - n
-    with pytest.raises(ValueError):
-        engine.submit(prompt, max_tokens=2, stop_ids=frozenset(), sampling=GREEDY, prompt_cache=cache,
-                      cached_tokens=len(prompt))
-
+# --------------------------------------------------------------------------- stats (prefix cache: test_prefix_cache.py)
 
 async def test_stats_and_kv_estimate(qwen3: Loaded, engines: Engines) -> None:
     engine = engines(qwen3)

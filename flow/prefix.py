@@ -1,0 +1,93 @@
+"""The ``prefix_cache`` resource: the graph's KV prefix cache, shared by its models.
+
+Declaring it is all it takes::
+
+    [resources.prefix_cache]
+    type = "prefix_cache"
+    hot_bytes = 2147483648          # memory for cached KV blocks
+    disk = true                     # warm tier: survives restarts
+    disk_max_bytes = 8589934592
+    default_ttl_seconds = 86400
+
+It attaches itself to every model resource of the graph (or those named in
+``models``) before they load; each model's engine then reuses cached prefixes
+and adds its sequences' blocks (see :mod:`runtime.prefix_cache`). Keys start
+from the model's weights, so models never share blocks. While serving, it
+deletes expired blocks every ``sweep_seconds``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import trio
+from pydantic import Field
+
+from flow.capabilities import data_dir
+from flow.registry import register_resource
+from flow.resources import ModelResource, ResourceConfig
+from runtime.device import DeviceThread
+from runtime.kv_disk import DiskTier
+from runtime.prefix_cache import PrefixCache, PrefixConfig
+
+log = logging.getLogger("flow.prefix")
+
+
+class PrefixCacheConfig(ResourceConfig):
+    block_tokens: int = Field(default=64, ge=8, le=4096, description="tokens per KV block (the unit of reuse)")
+    hot_bytes: int = Field(default=2 << 30, ge=1 << 20, description="memory for cached KV blocks (LRU beyond)")
+    disk: bool = Field(default=True, description="keep blocks on disk too (warm tier, survives restarts)")
+    directory: str | None = Field(default=None, description="warm tier directory (default: DATA_DIR/kv-cache)")
+    disk_max_bytes: int = Field(default=8 << 30, ge=1 << 20, description="disk for cached KV blocks (LRU beyond)")
+    default_ttl_seconds: float = Field(default=86400.0, gt=0,
+                                       description="how long blocks live after their last use, unless a request "
+                                                   "says otherwise (Anthropic cache_control ttl, OpenAI ttl)")
+    sweep_seconds: float = Field(default=60.0, gt=0, description="how often expired blocks are deleted")
+    models: list[str] = Field(default_factory=list, description="model resources that use it (default: all)")
+
+
+@register_resource
+class PrefixCacheResource:
+    type_name: ClassVar[str] = "prefix_cache"
+    Config: ClassVar[type[ResourceConfig]] = PrefixCacheConfig
+    description: ClassVar[str] = "KV prefix cache in token blocks: memory, then disk; shared by sessions"
+
+    def __init__(self, resource_id: str, config: PrefixCacheConfig) -> None:
+        self.id = resource_id
+        self.config = config
+        self.cache = PrefixCache(PrefixConfig(block_tokens=config.block_tokens, hot_bytes=config.hot_bytes,
+                                              default_ttl=config.default_ttl_seconds))
+        self._device: DeviceThread | None = None
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.config.directory).expanduser() if self.config.directory else data_dir() / "kv-cache"
+
+    def bind(self, resources: Mapping[str, Any]) -> None:
+        """Attach to the graph's models before they load."""
+        for rid, resource in resources.items():
+            if isinstance(resource, ModelResource) and (not self.config.models or rid in self.config.models):
+                resource.prefix_cache = self.cache
+
+    async def start(self, device: DeviceThread) -> None:
+        self._device = device
+        if self.config.disk:
+            self.cache.disk = await trio.to_thread.run_sync(DiskTier, self.directory, self.config.disk_max_bytes)
+            log.info("prefix cache: warm tier in %s (%d blocks)", self.directory, len(self.cache.disk.index))
+
+    async def run(self) -> None:
+        """Delete expired blocks now and then (on the device thread: they hold MLX arrays)."""
+        while True:
+            await trio.sleep(self.config.sweep_seconds)
+            if self._device is not None:
+                await self._device.run(self.cache.sweep)
+
+    def close(self) -> None:
+        if self.cache.disk is not None:
+            self.cache.disk.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"type": self.type_name, **self.cache.stats_json()}

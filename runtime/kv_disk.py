@@ -1,0 +1,289 @@
+"""The warm tier of the prefix cache: KV blocks as safetensors files, indexed in SQLite.
+
+Theory of operation
+-------------------
+Every block the prefix cache keeps with a non-zero TTL is also written here:
+one ``.safetensors`` file per block (written to a temporary name, then renamed,
+so a file either is whole or is not there) and one row in ``index.sqlite``
+(key, parent key, model namespace, file size, SHA-256 of the file, expiry, last
+access). Writing happens on a background thread fed by a queue; the device
+thread only hands over host copies of the arrays.
+
+Reading is the opposite path and runs on worker threads: :meth:`DiskTier.read`
+checks the file's size and SHA-256 against the index before parsing it, so a
+truncated or corrupted file is detected, deleted and never served (counted in
+``corrupt``). On start the index is reconciled with the directory: rows whose
+file is missing or has the wrong size, and expired rows, are dropped.
+
+The tier is byte-capped: past ``max_bytes`` the least recently used blocks are
+deleted (cold). ``sweep`` deletes expired ones.
+
+bfloat16 has no NumPy type: such arrays are stored as uint16 with the real
+dtype in the file's metadata, and viewed back on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as load_safetensors
+from safetensors.numpy import save as save_safetensors
+
+log = logging.getLogger("flow.kv_disk")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    key TEXT PRIMARY KEY,
+    parent TEXT,
+    namespace TEXT NOT NULL,
+    file_bytes INTEGER NOT NULL,
+    sha256 TEXT NOT NULL,
+    dtype TEXT NOT NULL,
+    expires REAL NOT NULL,
+    last_access REAL NOT NULL
+)
+"""
+
+
+@dataclass
+class DiskEntry:
+    key: bytes
+    parent: bytes | None
+    namespace: bytes
+    file_bytes: int
+    sha256: str
+    dtype: str
+    expires: float
+    last_access: float
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    """A block's arrays on the host: keys and values of every layer, in layer order."""
+
+    arrays: tuple[np.ndarray, ...]
+    dtype: str  # the device dtype ("bfloat16" arrays are stored as uint16)
+
+
+class DiskTier:
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.index: dict[bytes, DiskEntry] = {}
+        self.bytes = 0
+        self.written = 0
+        self.read_hits = 0
+        self.corrupt = 0
+        self.expired = 0
+        self.evicted = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        (directory / "blocks").mkdir(parents=True, exist_ok=True)
+        self._reconcile()
+        self._writer = threading.Thread(target=self._write_loop, name="flow-kv-disk", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ any thread
+    def path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.directory / "blocks" / name[:2] / f"{name}.safetensors"
+
+    def has(self, key: bytes) -> bool:
+        with self._lock:
+            entry = self.index.get(key)
+            return entry is not None and entry.expires > time.time()
+
+    def write(self, key: bytes, parent: bytes | None, namespace: bytes, block: HostBlock, expires: float) -> None:
+        """Queue a block for writing (the writer thread does the IO)."""
+        self._queue.put(("write", (key, parent, namespace, block, expires)))
+
+    def touch(self, key: bytes, expires: float) -> None:
+        """A use: later expiry, and last in the LRU order."""
+        with self._lock:
+            entry = self.index.get(key)
+            if entry is None:
+                return
+            entry.expires = max(entry.expires, expires)
+            entry.last_access = time.time()
+        self._queue.put(("touch", (key, entry.expires, entry.last_access)))
+
+    def read(self, key: bytes) -> HostBlock | None:
+        """The block's arrays, or None if it is not here, expired, or its file does not check out."""
+        with self._lock:
+            entry = self.index.get(key)
+        if entry is None or entry.expires <= time.time():
+            return None
+        path = self.path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            data = b""
+        if len(data) != entry.file_bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+            self._corrupt(key, f"size {len(data)} / checksum mismatch")
+            return None
+        try:
+            tensors = load_safetensors(data)
+            arrays = tuple(tensors[f"{i}"] for i in range(len(tensors)))
+        except Exception as exc:  # a file that passed the checksum but does not parse: still never serve it
+            self._corrupt(key, f"{type(exc).__name__}: {exc}")
+            return None
+        with self._lock:
+            self.read_hits += 1
+        return HostBlock(arrays, entry.dtype)
+
+    def sweep(self) -> int:
+        """Delete expired blocks; how many."""
+        now = time.time()
+        with self._lock:
+            gone = [k for k, e in self.index.items() if e.expires <= now]
+            for key in gone:
+                self._forget(key)
+            self.expired += len(gone)
+        for key in gone:
+            self._queue.put(("delete", key))
+        return len(gone)
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        done.wait()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._writer.join(10)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"blocks": len(self.index), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                    "written": self.written, "read_hits": self.read_hits, "corrupt": self.corrupt,
+                    "expired": self.expired, "evicted": self.evicted, "directory": str(self.directory)}
+
+    # ------------------------------------------------------------------ internals
+    def _forget(self, key: bytes) -> None:
+        """Drop an index entry (lock held)."""
+        entry = self.index.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry.file_bytes
+
+    def _corrupt(self, key: bytes, why: str) -> None:
+        log.warning("prefix cache: block %s on disk is damaged (%s); deleted, not served", key.hex()[:16], why)
+        with self._lock:
+            self._forget(key)
+            self.corrupt += 1
+        self._queue.put(("delete", key))
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.directory / "index.sqlite")
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(_SCHEMA)
+        return db
+
+    def _reconcile(self) -> None:
+        """Load the index, keeping only rows whose file is there with the recorded size and not expired."""
+        now = time.time()
+        db = self._connect()
+        try:
+            dropped: list[str] = []
+            for key, parent, namespace, size, sha, dtype, expires, last in db.execute("SELECT * FROM blocks"):
+                path = self.path(bytes.fromhex(key))
+                try:
+                    ok = path.stat().st_size == size
+                except OSError:
+                    ok = False
+                if not ok or expires <= now:
+                    dropped.append(key)
+                    path.unlink(missing_ok=True)
+                    if not ok:
+                        self.corrupt += 1
+                    else:
+                        self.expired += 1
+                    continue
+                entry = DiskEntry(bytes.fromhex(key), bytes.fromhex(parent) if parent else None,
+                                  bytes.fromhex(namespace), size, sha, dtype, expires, last)
+                self.index[entry.key] = entry
+                self.bytes += size
+            db.executemany("DELETE FROM blocks WHERE key = ?", [(k,) for k in dropped])
+            db.commit()
+        finally:
+            db.close()
+        if dropped:
+            log.info("prefix cache: dropped %d missing, damaged or expired blocks from %s", len(dropped),
+                     self.directory)
+
+    def _write_loop(self) -> None:
+        db = self._connect()
+        try:
+            while (item := self._queue.get()) is not None:
+                kind, payload = item
+                try:
+                    if kind == "write":
+                        self._write(db, *payload)
+                    elif kind == "touch":
+                        key, expires, last = payload
+                        db.execute("UPDATE blocks SET expires = ?, last_access = ? WHERE key = ?",
+                                   (expires, last, key.hex()))
+                    elif kind == "delete":
+                        self.path(payload).unlink(missing_ok=True)
+                        db.execute("DELETE FROM blocks WHERE key = ?", (payload.hex(),))
+                    elif kind == "flush":
+                        db.commit()
+                        payload.set()
+                        continue
+                    if self._queue.empty():
+                        db.commit()
+                except Exception:  # a full disk or a bad block must not stop the tier
+                    log.exception("prefix cache: disk %s failed", kind)
+        finally:
+            db.commit()
+            db.close()
+
+    def _write(self, db: sqlite3.Connection, key: bytes, parent: bytes | None, namespace: bytes,
+               block: HostBlock, expires: float) -> None:
+        with self._lock:
+            if key in self.index:
+                return
+        data = save_safetensors({f"{i}": a for i, a in enumerate(block.arrays)}, metadata={"dtype": block.dtype})
+        path = self.path(key)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # readers see the whole file or none; the checksum catches the rest
+        now = time.time()
+        entry = DiskEntry(key, parent, namespace, len(data), hashlib.sha256(data).hexdigest(), block.dtype,
+                          expires, now)
+        db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   (key.hex(), parent.hex() if parent else None, namespace.hex(), entry.file_bytes, entry.sha256,
+                    entry.dtype, expires, now))
+        with self._lock:
+            self.index[key] = entry
+            self.bytes += entry.file_bytes
+            self.written += 1
+            victims = self._over_cap()
+        for victim in victims:
+            self.path(victim).unlink(missing_ok=True)
+            db.execute("DELETE FROM blocks WHERE key = ?", (victim.hex(),))
+
+    def _over_cap(self) -> list[bytes]:
+        """Least recently used entries to delete until the tier fits ``max_bytes`` (lock held)."""
+        if self.bytes <= self.max_bytes:
+            return []
+        victims: list[bytes] = []
+        for entry in sorted(self.index.values(), key=lambda e: e.last_access):
+            if self.bytes <= self.max_bytes:
+                break
+            victims.append(entry.key)
+            self._forget(entry.key)
+            self.evicted += 1
+        return victims

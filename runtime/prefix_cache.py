@@ -1,0 +1,381 @@
+"""The prefix cache: KV blocks keyed by chained token hashes, shared by every sequence.
+
+Theory of operation
+-------------------
+A token sequence is cut into blocks of ``block_tokens`` tokens. Block *i*'s key
+is a hash over block *i-1*'s key and block *i*'s token ids, and block 0's over
+the model's *namespace* (its weights' identity), so a key names the whole prefix
+up to the end of its block: equal keys, equal prefixes. The blocks of all
+conversations thereby form a prefix trie. :meth:`PrefixCache.match` walks a
+prompt's keys from the start and stops at the first block the cache lacks; the
+engine prefills the prompt from there. An exact repeat, the next turn of a
+conversation and a system prompt shared by several sessions are all the same
+case: a longest cached prefix.
+
+A block holds every layer's keys and values for its tokens, copied out of a
+sequence's cache on the device thread: after the prompt's prefill (so a
+concurrent session with the same system prompt can reuse it at once), and when
+the sequence finishes (prompt and answer, for the conversation's next turn;
+``cache_mode = "prefix"`` skips that). The engine's attention wants one
+contiguous cache per sequence, so :meth:`build` concatenates the matched blocks
+into a private cache for the sequence; the cache itself holds each block once,
+however many conversations share it, and the memory a new session adds to it is
+that of its own blocks.
+
+Reference counts: :meth:`match` takes a reference on every block it matched;
+:meth:`build` (or :meth:`release`, for a sequence that left before) drops them.
+A referenced block is never evicted.
+
+Tiers: *hot* blocks are in memory, within ``hot_bytes``; the least recently
+used unreferenced blocks leave first (a match touches its blocks deepest first,
+so a leaf leaves before its parent). With a :class:`DiskTier`, every block with
+a non-zero TTL is also written to disk in the background; a block evicted from
+memory stays *warm* there, and a match reads it back. A block lives until its
+expiry (its requests' TTL after their last use: Anthropic ``cache_control``,
+OpenAI ``ttl``, else ``default_ttl``); then it is deleted (*cold*).
+
+Models whose layer caches are not plain KV caches (sliding-window rotating
+caches as in Gemma 3, recurrent state in hybrid models) cannot be cut into
+position blocks: for them :func:`unsupported_reason` says why, the engine does
+not use the cache, and the model's stats say so.
+
+Threads: :meth:`match` runs on worker threads (it may read files); everything
+that touches MLX arrays (:meth:`build`, :meth:`store`, eviction) runs on the
+device thread. Metadata is guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from runtime.kv_disk import DiskTier, HostBlock
+
+log = logging.getLogger("flow.prefix_cache")
+
+# ``slicer(start, end)`` → the keys and values of every layer (layer order: k0, v0, k1, v1, …)
+# for token positions [start, end) of one sequence, each shaped [1, heads, end - start, dim].
+Slicer = Callable[[int, int], list[mx.array]]
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    block_tokens: int = 64
+    hot_bytes: int = 2 << 30
+    default_ttl: float = 86400.0  # seconds a block lives after its last use unless a request says otherwise
+    memory_only_ttl: float = 300.0  # blocks of ``ttl = 0`` requests: memory only, and this long at most
+
+
+@dataclass(eq=False)
+class Block:
+    key: bytes
+    parent: bytes | None
+    namespace: bytes
+    nbytes: int
+    expires: float
+    persist: bool  # written to the disk tier
+    arrays: list[mx.array] | None = None  # on the device: hot
+    host: HostBlock | None = None  # read back from disk, not yet on the device
+    refs: int = 0
+
+
+@dataclass
+class PrefixHit:
+    """The blocks a match found (referenced until built or released)."""
+
+    namespace: bytes
+    blocks: list[Block] = field(default_factory=list)
+    block_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens
+
+
+@dataclass
+class SessionState:
+    namespace: bytes
+    last_key: bytes | None
+    tokens: int
+    last_access: float
+    turns: int = 0
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0  # lookups that reused at least one block
+    lookup_tokens: int = 0  # tokens of the prompts looked up (blockable part)
+    reused_tokens: int = 0
+    disk_reads: int = 0  # blocks brought back from disk
+    stored_blocks: int = 0
+    evictions: int = 0  # hot blocks pushed out of memory (to disk, or gone)
+    expired: int = 0
+
+
+def unsupported_reason(cache: Sequence[Any]) -> str | None:
+    """Why a model's prompt cache cannot be cut into blocks, or None when it can."""
+    kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    if kinds:
+        return f"its layer caches include {', '.join(kinds)} (not position-addressable); prompts are prefilled in full"
+    return None
+
+
+def namespace_of(identity: str) -> bytes:
+    return hashlib.sha256(identity.encode()).digest()[:16]
+
+
+def chain_keys(namespace: bytes, tokens: Sequence[int], blocks: int, block_tokens: int) -> list[bytes]:
+    """The keys of the first ``blocks`` full blocks of ``tokens``."""
+    keys: list[bytes] = []
+    previous = namespace
+    for i in range(blocks):
+        chunk = np.asarray(tokens[i * block_tokens : (i + 1) * block_tokens], dtype=np.uint32).tobytes()
+        previous = hashlib.sha256(previous + chunk).digest()[:20]
+        keys.append(previous)
+    return keys
+
+
+def _to_host(arrays: list[mx.array]) -> HostBlock:
+    dtype = str(arrays[0].dtype).removeprefix("mlx.core.")
+    if arrays[0].dtype == mx.bfloat16:
+        return HostBlock(tuple(np.array(a.view(mx.uint16)) for a in arrays), dtype)
+    return HostBlock(tuple(np.array(a) for a in arrays), dtype)
+
+
+def _to_device(host: HostBlock) -> list[mx.array]:
+    if host.dtype == "bfloat16":
+        return [mx.array(a).view(mx.bfloat16) for a in host.arrays]
+    return [mx.array(a) for a in host.arrays]
+
+
+class PrefixCache:
+    def __init__(self, config: PrefixConfig = PrefixConfig(), disk: DiskTier | None = None) -> None:
+        self.config = config
+        self.disk = disk
+        self.stats = PrefixStats()
+        self.hot_bytes = 0
+        self.sessions: dict[str, SessionState] = {}
+        self._blocks: dict[bytes, Block] = {}  # every block in memory (hot, or read back and waiting)
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # hot blocks, least recently used first
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ worker threads
+    def match(self, namespace: bytes, tokens: Sequence[int], ttl: float | None = None) -> PrefixHit:
+        """The longest cached prefix of ``tokens`` that leaves at least the last token to compute."""
+        b = self.config.block_tokens
+        keys = chain_keys(namespace, tokens, (len(tokens) - 1) // b, b)
+        hit = PrefixHit(namespace, block_tokens=b)
+        expires = self._expiry(ttl)
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += len(keys) * b
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is None:
+                    break
+                block.refs += 1
+                hit.blocks.append(block)
+        for key in keys[len(hit.blocks):]:  # the rest may be warm, on disk
+            if self.disk is None:
+                break
+            host = self.disk.read(key)
+            if host is None:
+                break
+            with self._lock:
+                block = self._blocks.get(key)
+                if block is None:
+                    nbytes = sum(a.nbytes for a in host.arrays)
+                    block = Block(key, hit.blocks[-1].key if hit.blocks else None, namespace, nbytes, expires,
+                                  persist=True, host=host)
+                    self._blocks[key] = block
+                    self.stats.disk_reads += 1
+                block.refs += 1
+                hit.blocks.append(block)
+        with self._lock:
+            for block in reversed(hit.blocks):  # deepest first: parents end up the most recently used
+                block.expires = max(block.expires, expires)
+                if block.key in self._lru:
+                    self._lru.move_to_end(block.key)
+            if hit.blocks:
+                self.stats.hits += 1
+                self.stats.reused_tokens += hit.tokens
+        if self.disk is not None:
+            for block in hit.blocks:
+                if block.persist:
+                    self.disk.touch(block.key, block.expires)
+        return hit
+
+    def release(self, hit: PrefixHit) -> None:
+        """Drop a hit's references (its sequence left, or its cache is built)."""
+        with self._lock:
+            for block in hit.blocks:
+                block.refs -= 1
+                if block.refs == 0 and block.arrays is None:
+                    self._forget(block)  # read back from disk for a sequence that left: not worth memory
+            hit.blocks = []
+
+    # ------------------------------------------------------------------ device thread
+    def build(self, hit: PrefixHit) -> list[KVCache]:
+        """A fresh single-sequence cache holding the hit's tokens; the hit's references are dropped."""
+        for block in hit.blocks:
+            if block.arrays is None:
+                assert block.host is not None
+                block.arrays, block.host = _to_device(block.host), None
+                self._make_hot(block)
+        layers = len(hit.blocks[0].arrays or []) // 2
+        cache: list[KVCache] = []
+        for layer in range(layers):
+            c = KVCache()
+            keys = mx.concatenate([blk.arrays[2 * layer] for blk in hit.blocks if blk.arrays is not None], axis=2)
+            values = mx.concatenate([blk.arrays[2 * layer + 1] for blk in hit.blocks if blk.arrays is not None],
+                                    axis=2)
+            c.keys, c.values, c.offset = keys, values, keys.shape[2]
+            cache.append(c)
+        mx.eval([(c.keys, c.values) for c in cache])
+        self.release(hit)
+        self._evict()
+        return cache
+
+    def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, ttl: float | None = None,
+              session_id: str | None = None) -> int:
+        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added."""
+        b = self.config.block_tokens
+        keys = chain_keys(namespace, tokens, len(tokens) // b, b)
+        expires = self._expiry(ttl)
+        persist = self.disk is not None and ttl != 0
+        added: list[Block] = []
+        parent: bytes | None = None
+        for i, key in enumerate(keys):
+            with self._lock:
+                known = self._blocks.get(key)
+                if known is not None:
+                    known.expires = max(known.expires, expires)
+            if known is None and not (self.disk is not None and self.disk.has(key)):
+                arrays = [mx.contiguous(a) for a in slicer(i * b, (i + 1) * b)]
+                block = Block(key, parent, namespace, sum(a.nbytes for a in arrays), expires, persist, arrays)
+                added.append(block)
+            parent = key
+        if added:
+            mx.eval([a for block in added for a in block.arrays or []])
+            for block in added:
+                self._make_hot(block)
+                if block.persist and self.disk is not None:
+                    self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or []), block.expires)
+            with self._lock:
+                self.stats.stored_blocks += len(added)
+        if session_id is not None:
+            with self._lock:
+                state = self.sessions.get(session_id)
+                turns = state.turns + 1 if state is not None else 1
+                self.sessions[session_id] = SessionState(namespace, keys[-1] if keys else None, len(tokens),
+                                                         time.time(), turns)
+        self._evict()
+        return len(added)
+
+    def sweep(self) -> int:
+        """Forget expired blocks (memory and disk); how many left memory."""
+        now = time.time()
+        with self._lock:
+            gone = [blk for blk in self._blocks.values() if blk.expires <= now and blk.refs == 0]
+            for block in gone:
+                self._forget(block)
+            self.stats.expired += len(gone)
+        if self.disk is not None:
+            self.disk.sweep()
+        return len(gone)
+
+    def clear(self) -> None:
+        """Drop every unreferenced block from memory (the disk tier keeps its copies)."""
+        with self._lock:
+            for block in [b for b in self._blocks.values() if b.refs == 0]:
+                self._forget(block)
+
+    # ------------------------------------------------------------------ reports
+    def tier_of(self, key: bytes | None) -> str:
+        """Where the prefix ending in block ``key`` is: hot (memory), warm (disk) or cold (gone)."""
+        if key is None:
+            return "cold"
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None and block.arrays is not None:
+                return "hot"
+        return "warm" if self.disk is not None and self.disk.has(key) else "cold"
+
+    def session(self, session_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            state = self.sessions.get(session_id)
+        if state is None:
+            return None
+        return {"tier": self.tier_of(state.last_key), "tokens": state.tokens, "turns": state.turns,
+                "last_access": state.last_access}
+
+    def referenced(self) -> int:
+        """Blocks some sequence still holds (zero when nothing is in flight)."""
+        with self._lock:
+            return sum(1 for b in self._blocks.values() if b.refs)
+
+    def stats_json(self) -> dict[str, Any]:
+        with self._lock:
+            s = self.stats
+            out: dict[str, Any] = {
+                "block_tokens": self.config.block_tokens,
+                "lookups": s.lookups, "hits": s.hits,
+                "hit_rate": round(s.reused_tokens / s.lookup_tokens, 4) if s.lookup_tokens else 0.0,
+                "reused_tokens": s.reused_tokens, "stored_blocks": s.stored_blocks, "disk_reads": s.disk_reads,
+                "evictions": s.evictions, "expired": s.expired,
+                "blocks": {"hot": len(self._lru), "warm": 0},
+                "hot_bytes": self.hot_bytes, "hot_max_bytes": self.config.hot_bytes,
+                "referenced_blocks": sum(1 for b in self._blocks.values() if b.refs),
+                "sessions": len(self.sessions),
+            }
+        if self.disk is not None:
+            disk = self.disk.stats()
+            out["blocks"]["warm"] = disk["blocks"]
+            out["disk"] = disk
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _expiry(self, ttl: float | None) -> float:
+        if ttl == 0:
+            return time.time() + self.config.memory_only_ttl
+        return time.time() + (self.config.default_ttl if ttl is None else ttl)
+
+    def _make_hot(self, block: Block) -> None:
+        with self._lock:
+            self._blocks[block.key] = block
+            if block.key not in self._lru:
+                self._lru[block.key] = None
+                self.hot_bytes += block.nbytes
+
+    def _forget(self, block: Block) -> None:
+        """Drop a block from memory (lock held)."""
+        self._blocks.pop(block.key, None)
+        if block.key in self._lru:
+            del self._lru[block.key]
+            self.hot_bytes -= block.nbytes
+        block.arrays = block.host = None
+
+    def _evict(self) -> None:
+        """Push least recently used unreferenced blocks out of memory until the hot tier fits."""
+        with self._lock:
+            if self.hot_bytes <= self.config.hot_bytes:
+                return
+            for key in list(self._lru):
+                if self.hot_bytes <= self.config.hot_bytes:
+                    break
+                block = self._blocks[key]
+                if block.refs:
+                    continue
+                self._forget(block)  # a persisted block stays reachable on disk
+                self.stats.evictions += 1
