@@ -1,4 +1,4 @@
-"""``flow``: serve, check, viz, stages, bench."""
+"""``flow``: serve, check, viz, stages, probe, models, bench."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flow.compiler import CompileError, CompiledGraph, GraphError, compile_file, compile_tables
 from flow.spec import SpecError, load_tables
+
+if TYPE_CHECKING:
+    from flow.local_models import LocalModel
 
 
 def _load_graph(path: str, *, model: str | None = None) -> CompiledGraph:
@@ -166,6 +169,64 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    units = ["B", "KB", "MB", "GB", "TB"]
+    value, unit = float(n), 0
+    while value >= 1024 and unit < len(units) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{n} B" if unit == 0 else f"{value:.1f} {units[unit]}"
+
+
+def _model_row(m: LocalModel) -> list[str]:
+    caps = m.capabilities
+    kind = (m.model_type or "?") + (f" {m.quantization_bits}-bit" if m.quantization_bits else "")
+    verified = caps is not None and caps.tool_calls_verified
+    tools = f"{m.tool_delivery}/{m.tool_parser}" + (" (verified)" if verified else "")
+    reasoning = m.reasoning_parser + (", thinking toggle" if caps is not None and caps.thinking else "")
+    return [m.id + (" (smoke test)" if m.smoke_test else ""), kind, _size(m.size_bytes),
+            f"{m.family} ({m.family_source})", tools, reasoning, str(caps.context_length) if caps else "-"]
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def _no_models_message() -> str:
+    from flow.local_models import hub_cache_dir, smoke_test_root
+
+    return (f"flow models: no local models found (looked in the Hugging Face hub cache {hub_cache_dir()}, "
+            f"$FLOW_MODEL_PATH{'' if os.environ.get('FLOW_MODEL_PATH') else ' (not set)'}, "
+            f"and the smoke-test builds in {smoke_test_root()}).\n"
+            "To get one: `flow serve graphs/default.toml` downloads the default model on first start; "
+            "or set FLOW_MODEL_PATH to directories of MLX models (config.json + *.safetensors), "
+            "or name them: `flow models DIR ...`.")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    import json
+
+    from flow.local_models import find_local_models
+
+    missing = [d for d in args.dirs if not Path(d).expanduser().is_dir()]
+    if missing:
+        print(f"flow models: not a directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    models = find_local_models([Path(d).expanduser() for d in args.dirs])
+    if args.json:
+        print(json.dumps([m.to_json() for m in models], indent=2))
+    elif models:
+        _print_table([["MODEL", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"],
+                      *(_model_row(m) for m in models)])
+    if not models:
+        print(_no_models_message(), file=sys.stderr if args.json else sys.stdout)
+    elif not args.json and any(m.family_source == "detected" for m in models):
+        print("\ndetected: chosen from config.json, the name and the chat template; "
+              "`flow probe MODEL` checks and remembers how a model really takes tools and thinking.")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from flow.bench import main as bench_main
 
@@ -194,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--db", help="capability database (default: the user data directory)")
     p.add_argument("--list", action="store_true", help="list what earlier probes recorded")
     p.set_defaults(func=cmd_probe)
+
+    p = sub.add_parser("models", help="list local models (hub cache, $FLOW_MODEL_PATH, DIRs) and their capabilities")
+    p.add_argument("dirs", nargs="*", metavar="DIR",
+                   help="more directories to search: model directories or directories of them")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("check", help="compile graph files and report every error")
     p.add_argument("graphs", nargs="+")

@@ -833,6 +833,11 @@ def _default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "flow"
 
 
+def tiny_models_dir(cache_dir: Path | None = None) -> Path:
+    """Where tiny models are built (``$FLOW_CACHE_DIR/tiny-models``, default ``~/.cache/flow``)."""
+    return (Path(cache_dir) if cache_dir is not None else _default_cache_dir()) / "tiny-models"
+
+
 def _resolve(name_or_spec: str | TinySpec) -> tuple[str, TinySpec]:
     if isinstance(name_or_spec, TinySpec):
         for name, spec in PRESETS.items():
@@ -848,8 +853,7 @@ def _resolve(name_or_spec: str | TinySpec) -> tuple[str, TinySpec]:
 def ensure_tiny_model(name_or_spec: str | TinySpec, cache_dir: Path | None = None) -> Path:
     """Return the cached build for a preset name or spec, building it on first use."""
     name, spec = _resolve(name_or_spec)
-    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    dest = root / "tiny-models" / f"{name}-{spec.cache_key()}"
+    dest = tiny_models_dir(cache_dir) / f"{name}-{spec.cache_key()}"
     if _is_complete(dest):
         return dest
     staged = _stage(dest, spec)
