@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import resource
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -265,7 +266,9 @@ class FlowServer:
         for (src, dst), e in self.edge_stats().items():
             items.set(e.items, edge=f"{src}->{dst}")
             full.set(e.full, edge=f"{src}->{dst}")
-        return [active, prompt, generated, running, steps, finished, store_entries, store_bytes, items, full]
+        resource_metrics = [m for res in self.resources.values() if hasattr(res, "metrics") for m in res.metrics()]
+        return [active, prompt, generated, running, steps, finished, store_entries, store_bytes, items, full,
+                *resource_metrics]
 
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
@@ -371,10 +374,38 @@ def _key_ok(expected: str) -> bool:
     return given == expected
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft limit on open files to the hard limit; return the soft limit now in force.
+
+    Every open connection holds a file descriptor, and the soft limit is small: 1024 on most
+    Linux systems, 256 on macOS, and ``import mlx_lm`` sets (2048, 4096) — lowering the hard
+    limit too, which an unprivileged process cannot undo (ml-explore/mlx-lm#1589). At the soft
+    limit ``accept`` fails with EMFILE: new clients wait in the listen backlog, then time out,
+    until connections close. Raising the soft limit is always allowed (Go's runtime does it at
+    start-up); where the hard limit is unlimited, the kernel may refuse some values, so smaller
+    ones are tried.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft
+    targets = [hard] if hard != resource.RLIM_INFINITY else [1 << 20, 65536, 10240]  # 10240: macOS OPEN_MAX
+    for target in targets:
+        if target <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            continue
+        log.debug("open-file limit raised from %d to %d", soft, target)
+        return target
+    return soft
+
+
 async def serve(server: FlowServer, host: str, port: int, *,
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Load the graph's resources, then serve HTTP until ``shutdown_trigger`` returns."""
+    raise_open_file_limit()  # one descriptor per open connection
     await server.start()
     app = create_app(server)
 
@@ -384,6 +415,10 @@ async def serve(server: FlowServer, host: str, port: int, *,
 
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]
+    # hypercorn's default listen backlog is 100: a burst of connections beyond it has its SYNs
+    # dropped and waits a 1 s retransmit (or more). 2048 is uvicorn's and gunicorn's default;
+    # the kernel caps it at net.core.somaxconn (kern.ipc.somaxconn on macOS).
+    config.backlog = 2048
     config.worker_class = "trio"
     config.keep_alive_timeout = 75
     config.graceful_timeout = 5
