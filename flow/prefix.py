@@ -27,6 +27,7 @@ import trio
 from pydantic import Field
 
 from flow.capabilities import data_dir
+from flow.metrics import Metric
 from flow.registry import register_resource
 from flow.resources import ModelResource, ResourceConfig
 from runtime.device import DeviceThread
@@ -91,3 +92,26 @@ class PrefixCacheResource:
 
     def stats(self) -> dict[str, Any]:
         return {"type": self.type_name, **self.cache.stats_json()}
+
+    def metrics(self) -> list[Metric]:
+        """For ``/metrics``: reuse, blocks and bytes by tier, evictions."""
+        s = self.cache.stats_json()
+        rid = {"resource": self.id}
+        lookups = Metric("flow_prefix_cache_lookups_total", "Prompts looked up in the prefix cache.", "counter")
+        lookups.set(s["lookups"], **rid)
+        hits = Metric("flow_prefix_cache_hits_total", "Lookups that reused at least one block.", "counter")
+        hits.set(s["hits"], **rid)
+        reused = Metric("flow_prefix_cache_reused_tokens_total", "Prompt tokens served from the prefix cache.",
+                        "counter")
+        reused.set(s["reused_tokens"], **rid)
+        rate = Metric("flow_prefix_cache_hit_rate", "Reused tokens / looked-up tokens since start.", "gauge")
+        rate.set(s["hit_rate"], **rid)
+        blocks = Metric("flow_prefix_cache_blocks", "Cached KV blocks by tier.", "gauge")
+        size = Metric("flow_prefix_cache_bytes", "Bytes of cached KV blocks by tier.", "gauge")
+        for tier in ("hot", "warm"):
+            blocks.set(s["blocks"][tier], tier=tier, **rid)
+        size.set(s["hot_bytes"], tier="hot", **rid)
+        size.set(s.get("disk", {}).get("bytes", 0), tier="warm", **rid)
+        evictions = Metric("flow_prefix_cache_evictions_total", "Blocks pushed out of memory.", "counter")
+        evictions.set(s["evictions"], **rid)
+        return [lookups, hits, reused, rate, blocks, size, evictions]
