@@ -1,0 +1,444 @@
+"""Concurrent streaming load: flow's server against ``mlx_lm.server`` and raw ``mlx_lm.batch_generate``.
+
+Run (OpenBLAS preloaded first, as the test script does)::
+
+    eval "$(.venv/bin/python -m flow.blas)"
+    .venv/bin/python scripts/bench_concurrency.py --model tiny:bench-80m --json bench-80m.json
+
+One run, one model, one load generator, three systems one after the other:
+
+1. **flow**: ``flow serve`` in a subprocess, a graph that extends
+   ``graphs/default.toml`` with the engine settings given here;
+2. **mlx_lm.server**: ``python -m mlx_lm.server --model DIR`` in a subprocess
+   (its defaults: 32 decoding, 8 prompts prefilled together);
+3. **raw**: ``mlx_lm.batch_generate`` on the same chat-templated prompts in a
+   subprocess, no HTTP at all: the ceiling.
+
+The load generator is an ``httpx`` async client streaming
+``/v1/chat/completions`` (greedy, a fixed ``max_tokens``, usage included). At
+each concurrency level every request starts at once. Figures per level:
+aggregate tok/s (all completion tokens / wall time of the level), median and
+p95 time to first token, median per-stream decode tok/s, failed requests and
+the completion tokens actually generated (random-weight models rarely emit
+EOS, but ``mlx_lm`` stops there; the counts show whether the comparison is
+even). Then "a request arriving while 8 others decode": its TTFT against the
+same request's TTFT on the idle server. Peak RSS is each subprocess's
+``VmHWM``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SYSTEMS = ("flow", "mlx_lm.server", "raw")
+
+
+def prompt_text(i: int) -> str:
+    return (f"Request number {i}. Write a long, detailed story about a lighthouse keeper who finds "
+            f"message number {i} in a bottle on the shore.")
+
+
+# --------------------------------------------------------------------------- load generator
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start: float
+    first: float | None = None
+    end: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int,
+                     on_first: Callable[[], None] | None = None) -> RequestResult:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(ok=False, start=time.perf_counter())
+    chunks = 0
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            done = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                data = json.loads(line[6:])
+                if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
+                    chunks += 1
+                    if result.first is None:
+                        result.first = time.perf_counter()
+                        if on_first is not None:
+                            on_first()
+                if data.get("usage"):
+                    result.tokens = int(data["usage"]["completion_tokens"])
+            result.end = time.perf_counter()
+            result.tokens = result.tokens or chunks
+            result.ok = done and result.first is not None
+            if not result.ok:
+                result.error = "stream ended early" if not done else "no content"
+    except Exception as exc:  # every failure counts, whatever its type
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_level(url: str, model: str, concurrency: int, max_tokens: int) -> list[RequestResult]:
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        async def one(i: int) -> None:
+            results.append(await stream_one(client, url, model, prompt_text(i), max_tokens))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(concurrency):
+                nursery.start_soon(one, i)
+    return results
+
+
+def summarize(results: list[RequestResult]) -> dict[str, Any]:
+    good = [r for r in results if r.ok]
+    out: dict[str, Any] = {"requests": len(results), "failed": len(results) - len(good),
+                           "errors": sorted({r.error for r in results if not r.ok})[:3]}
+    if not good:
+        return out
+    assert all(r.first is not None and r.end is not None for r in good)
+    wall = max(r.end for r in good if r.end) - min(r.start for r in results)
+    ttfts = sorted((r.first - r.start) * 1000 for r in good if r.first)
+    per_stream = [(r.tokens - 1) / (r.end - r.first) for r in good if r.end and r.first and r.end > r.first
+                  and r.tokens > 1]
+    tokens = sum(r.tokens for r in good)
+    out.update(
+        completion_tokens=tokens,
+        tokens_per_request=round(tokens / len(good), 1),
+        wall_s=round(wall, 2),
+        aggregate_tps=round(tokens / wall, 1),
+        ttft_ms_p50=round(statistics.median(ttfts), 1),
+        ttft_ms_p95=round(ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))], 1),
+        per_stream_tps_p50=round(statistics.median(per_stream), 2) if per_stream else None,
+    )
+    return out
+
+
+async def arrival_test(url: str, model: str, max_tokens: int, background: int = 8) -> dict[str, Any]:
+    """TTFT of a request arriving while ``background`` streams decode, against its idle TTFT."""
+    probe_text = prompt_text(10_000)
+    limits = httpx.Limits(max_connections=background + 8, max_keepalive_connections=background + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        idle = []
+        for _ in range(3):
+            r = await stream_one(client, url, model, probe_text, 4)
+            if r.ok and r.first:
+                idle.append((r.first - r.start) * 1000)
+        decoding = failed = finished_early = 0
+        all_decoding = trio.Event()
+
+        def check() -> None:
+            if decoding + failed >= background:
+                all_decoding.set()
+
+        def on_first() -> None:
+            nonlocal decoding
+            decoding += 1
+            check()
+
+        async def bg(i: int) -> None:
+            nonlocal failed, finished_early
+            r = await stream_one(client, url, model, prompt_text(20_000 + i), max(256, 4 * max_tokens), on_first)
+            if r.ok:
+                finished_early += 1
+            else:
+                failed += 1
+                check()
+
+        busy: list[float] = []
+        async with trio.open_nursery() as nursery:
+            for i in range(background):
+                nursery.start_soon(bg, i)
+            with trio.move_on_after(300):
+                await all_decoding.wait()
+            await trio.sleep(0.5)  # well into decoding
+            for _ in range(3):
+                probe = await stream_one(client, url, model, probe_text, 4)
+                if probe.ok and probe.first and not finished_early:
+                    busy.append((probe.first - probe.start) * 1000)
+                await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()  # drop the background streams (the client goes away)
+    out: dict[str, Any] = {"idle_ttft_ms": round(statistics.median(idle), 1) if idle else None,
+                           "busy_ttft_ms": round(statistics.median(busy), 1) if busy else None,
+                           "busy_ttft_samples_ms": [round(b, 1) for b in busy], "background": background,
+                           "background_failed": failed}
+    if idle and busy:
+        out["ratio"] = round(statistics.median(busy) / statistics.median(idle), 2)
+    return out
+
+
+# --------------------------------------------------------------------------- servers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("server not ready in time")
+
+
+def start_flow(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) -> subprocess.Popen[bytes]:
+    graph = tmp / "bench-graph.toml"
+    graph.write_text(
+        f'extends = "{ROOT / "graphs" / "default.toml"}"\n\n[resources.model]\npath = "{model_dir}"\n'
+        f'name = "bench"\naliases = []\nmax_batch = {args.max_batch}\nprefill_chunk = {args.prefill_chunk}\n'
+        f'strategy = "{args.strategy}"\nmax_queue = 1024\n\n'
+        f'[resources.prefix_cache]\ndirectory = "{tmp / "kv-cache"}"\n')
+    flow_bin = Path(sys.executable).parent / "flow"
+    cmd = [str(flow_bin), "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "flow.log", "wb"))
+
+
+def start_mlx_lm(model_dir: Path, port: int, tmp: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port),
+           "--log-level", "WARNING"]
+    return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=open(tmp / "mlx_lm.log", "wb"))
+
+
+def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        wait_ready(url, proc)
+        trio.run(run_level, url, model, 2, 8)  # warm-up: kernels, first-request paths
+        levels: dict[str, Any] = {}
+        for level in args.levels:
+            summary = summarize(trio.run(run_level, url, model, level, args.max_tokens))
+            levels[str(level)] = summary
+            print(f"{name:>14} c={level:<3} {summary.get('aggregate_tps', 0):>7} tok/s  TTFT p50 "
+                  f"{summary.get('ttft_ms_p50')} ms  failed {summary['failed']}", file=sys.stderr)
+        arrival = trio.run(arrival_test, url, model, args.max_tokens)
+        print(f"{name:>14} new arrival TTFT {arrival.get('busy_ttft_ms')} ms vs idle {arrival.get('idle_ttft_ms')} ms",
+              file=sys.stderr)
+        return {"levels": levels, "arrival": arrival, "peak_rss_mb": peak_rss_mb(proc.pid)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- raw batch_generate
+
+def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, Any]:
+    """Runs in a subprocess: ``mlx_lm.batch_generate`` on the chat-templated prompts."""
+    from mlx_lm import batch_generate
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(model_dir)[:2]
+
+    def prompts(n: int) -> list[list[int]]:
+        return [list(tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
+            [{"role": "user", "content": prompt_text(i)}], add_generation_prompt=True)) for i in range(n)]
+
+    batch_generate(model, tokenizer, prompts(2), max_tokens=8)  # warm-up
+    out: dict[str, Any] = {}
+    for level in levels:
+        p = prompts(level)
+        start = time.perf_counter()
+        response = batch_generate(model, tokenizer, p, max_tokens=max_tokens, return_token_ids=True)
+        wall = time.perf_counter() - start
+        tokens = sum(len(t) for t in (response.token_ids or []))
+        out[str(level)] = {"requests": level, "failed": 0, "completion_tokens": tokens,
+                           "tokens_per_request": round(tokens / level, 1), "wall_s": round(wall, 2),
+                           "aggregate_tps": round(tokens / wall, 1),
+                           "prompt_tokens": sum(len(x) for x in p),
+                           "generation_tps": round(response.stats.generation_tps, 1)}
+        print(f"{'raw':>14} c={level:<3} {out[str(level)]['aggregate_tps']:>7} tok/s", file=sys.stderr)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"levels": out, "peak_rss_mb": round(peak, 1)}
+
+
+def bench_raw(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--raw-worker", str(model_dir), "--max-tokens", str(args.max_tokens),
+           "--levels", ",".join(str(x) for x in args.levels)]
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, check=True)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------- report
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one system → the median of every figure; failures are summed, peak RSS is the max."""
+    def merge(values: list[Any], key: str) -> Any:
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        if all(isinstance(v, dict) for v in present):
+            keys = {k for v in present for k in v}
+            return {k: merge([v.get(k) for v in present], k) for k in sorted(keys)}
+        if key in ("failed", "requests"):
+            return sum(present)
+        if key == "peak_rss_mb":
+            return max(present)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+            return round(statistics.median(present), 2)
+        if all(isinstance(v, list) for v in present):
+            return sorted({str(x) for v in present for x in v})[:5]
+        return present[0]
+
+    return merge(list(runs), "")  # type: ignore[no-any-return]
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+def markdown(result: dict[str, Any]) -> str:
+    systems = [s for s in SYSTEMS if s in result["systems"]]
+    lines = [
+        f"model `{result['model']}`, {result['max_tokens']} max new tokens per request (greedy), "
+        f"flow engine: strategy `{result['flow_config']['strategy']}`, max_batch "
+        f"{result['flow_config']['max_batch']}, prefill_chunk {result['flow_config']['prefill_chunk']}; "
+        f"OpenBLAS {'on' if result['openblas'] else 'off'}; {result['cpus']} CPUs; median of {result['rounds']} "
+        f"round(s) (failed: summed over rounds); load average before/after "
+        f"{result['load_average_before'][0]:.2f}/{result['load_average_after'][0]:.2f}",
+        "",
+        "| concurrency | system | aggregate tok/s | TTFT p50 ms | TTFT p95 ms | per-stream tok/s | failed | tokens/request |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for level in result["levels"]:
+        for system in systems:
+            row = result["systems"][system]["levels"].get(str(level), {})
+            lines.append(
+                f"| {level} | {system} | {row.get('aggregate_tps', '–')} | {row.get('ttft_ms_p50', '–')} | "
+                f"{row.get('ttft_ms_p95', '–')} | {row.get('per_stream_tps_p50', '–')} | {row.get('failed', '–')} | "
+                f"{row.get('tokens_per_request', '–')} |")
+    lines += ["", "| system | idle TTFT ms | TTFT while 8 decode ms | ratio | peak RSS MB |", "|---|---|---|---|---|"]
+    for system in systems:
+        data = result["systems"][system]
+        arrival = data.get("arrival", {})
+        lines.append(f"| {system} | {arrival.get('idle_ttft_ms', '–')} | {arrival.get('busy_ttft_ms', '–')} | "
+                     f"{arrival.get('ratio', '–')} | {data.get('peak_rss_mb', '–')} |")
+    if result.get("ratios"):
+        lines += ["", "| ratio | " + " | ".join(str(k) for k in result["ratios"]) + " |",
+                  "|---|" + "---|" * len(result["ratios"]), "| value | " +
+                  " | ".join(str(v) for v in result["ratios"].values()) + " |"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model", default="tiny:bench-80m", help="tiny:PRESET or a local model directory")
+    parser.add_argument("--levels", default="1,8,16,32,64", help="concurrency levels, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
+    parser.add_argument("--strategy", default="decode_first")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=1, help="repeat, alternating systems; medians are reported")
+    parser.add_argument("--json", help="also write the full result here")
+    parser.add_argument("--raw-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.levels = [int(x) for x in args.levels.split(",") if x]
+    if args.raw_worker:
+        print(json.dumps(raw_worker(args.raw_worker, args.levels, args.max_tokens)))
+        return 0
+
+    from flow import blas
+    from runtime.models import resolve_model_path
+
+    blas.advise()
+    model_dir = resolve_model_path(args.model)
+    systems = [s for s in args.systems.split(",") if s]
+    result: dict[str, Any] = {
+        "model": args.model, "model_dir": str(model_dir), "max_tokens": args.max_tokens, "levels": args.levels,
+        "openblas": blas.openblas_active(), "cpus": os.cpu_count(),
+        "flow_config": {"strategy": args.strategy, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk},
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "systems": {},
+    }
+    for system in systems:
+        if system not in SYSTEMS:
+            parser.error(f"unknown system {system!r}")
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+    result["load_average_before"] = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="flow-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        # Rounds alternate the systems, so drift (other load on the machine) hits them alike.
+        for round_no in range(args.rounds):
+            print(f"round {round_no + 1}/{args.rounds}", file=sys.stderr)
+            for system in systems:
+                port = free_port()
+                url = f"http://127.0.0.1:{port}"
+                if system == "flow":
+                    runs[system].append(bench_server(system, start_flow(model_dir, port, args, tmp), url,
+                                                     "bench", args))
+                elif system == "mlx_lm.server":
+                    runs[system].append(bench_server(system, start_mlx_lm(model_dir, port, tmp), url,
+                                                     "default_model", args))
+                else:
+                    runs[system].append(bench_raw(model_dir, args))
+    result["load_average_after"] = os.getloadavg()
+    result["rounds"] = args.rounds
+    result["systems"] = {system: combine(r) for system, r in runs.items()}
+    result["runs"] = runs
+    ratios: dict[str, float | None] = {}
+    got = result["systems"]
+    for level in args.levels:
+        flow_tps = got.get("flow", {}).get("levels", {}).get(str(level), {}).get("aggregate_tps")
+        for other in ("mlx_lm.server", "raw"):
+            other_tps = got.get(other, {}).get("levels", {}).get(str(level), {}).get("aggregate_tps")
+            if flow_tps and other_tps:
+                ratios[f"flow/{other} @{level}"] = ratio(flow_tps, other_tps)
+    result["ratios"] = ratios
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
