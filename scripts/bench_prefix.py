@@ -49,11 +49,14 @@ TOPICS = ["the lamp", "the fog", "the supply boat", "the logbook", "the storm", 
           "the lens", "the tide tables", "the radio", "the paint", "the stairs", "the winter", "the visitors"]
 
 
-def system_prompt(tokens: int) -> str:
-    """An agent-harness-like system prompt: rules and tool descriptions, about ``tokens`` BPE tokens."""
+def system_prompt(tokens: int, model_dir: Path) -> str:
+    """An agent-harness-like system prompt: rules and tool descriptions, ``tokens`` tokens of this model."""
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
     parts = ["You are Keeper, an agent that maintains a remote lighthouse. Follow the rules and use the tools."]
     i = 0
-    while len(" ".join(parts)) < tokens * 4:  # ~4 characters per token for English with a BPE vocabulary
+    while len(tokenizer.encode("\n".join(parts))) < tokens:
         parts.append(f"Rule {i}: when {TOPICS[i % len(TOPICS)]} needs attention, write it in the log, check the "
                      f"weather first, and report to the harbour master with the time and your initials.")
         parts.append(f'Tool tool_{i}: {{"name": "tool_{i}", "description": "Inspect {TOPICS[i % len(TOPICS)]}", '
@@ -122,7 +125,7 @@ class Server:
 
 def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     cache_dir = tmp / "kv-cache"
-    system = system_prompt(args.system_tokens)
+    system = system_prompt(args.system_tokens, model_dir)
     cached = Server("flow-cached", model_dir, tmp, cache_dir)
     cold = Server("flow-cold", model_dir, tmp, cache_dir)
     mlx = Server("mlx_lm.server", model_dir, tmp, cache_dir) if args.mlx_lm else None
