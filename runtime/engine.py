@@ -42,9 +42,10 @@ A sequence moves through three places:
   the one extra token computed for a finished row is dropped.
 
 With a prefix cache (:mod:`runtime.prefix_cache`) the engine hands it the
-prompt's blocks once a prompt is prefilled and, for ``cache_mode = "full"``,
-the prompt's and answer's blocks when a sequence finishes (read from its batch
-row before the row is dropped).
+prompt's blocks after every prefill chunk (so a concurrent request can reuse a
+prompt still being read, and sliding-window layers still hold the positions)
+and, for ``cache_mode = "full"``, the prompt's and answer's blocks when a
+sequence finishes (read from its batch row before the row is dropped).
 
 The decoded tokens of a step go to trio in **one** ``run_sync_soon`` crossing
 per trio run, before any prefill work of the step (a sequence that fails in
@@ -89,11 +90,11 @@ from typing import Any, Literal
 import mlx.core as mx
 import trio
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from runtime.device import DeviceThread
-from runtime.prefix_cache import PrefixCache, PrefixHit, Slicer, unsupported_reason
+from runtime.prefix_cache import PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 
 log = logging.getLogger("flow.engine")
@@ -273,7 +274,9 @@ class Engine:
         self.device = device
         self.config = config
         # The prefix cache, when the model's layer caches can be cut into blocks.
-        self.prefix_unsupported = unsupported_reason(make_prompt_cache(model)) if prefix is not None else None
+        windows = layer_windows(make_prompt_cache(model))
+        self.prefix_unsupported = windows if isinstance(windows, str) and prefix is not None else None
+        self.windows = windows if not isinstance(windows, str) else ()
         self.prefix = prefix if self.prefix_unsupported is None else None
         self.namespace = namespace
         self.stats = EngineStats()
@@ -305,7 +308,8 @@ class Engine:
         """
         if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
             return None
-        hit = await trio.to_thread.run_sync(self.prefix.match, self.namespace, prompt, policy.ttl_seconds)
+        hit = await trio.to_thread.run_sync(self.prefix.match, self.namespace, prompt, self.windows,
+                                            policy.ttl_seconds)
         return hit if hit.blocks else None
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
@@ -543,13 +547,13 @@ class Engine:
                 budget -= n
                 self.stats.prompt_tokens += n
                 self.stats.prefill_chunks += 1
+                self._keep_prefix(seq, _own_slicer(seq.cache))
                 if n < remaining:
                     continue  # the budget ran out inside this prompt
             self._waiting.popleft()
             try:
                 if seq.cache is None:
                     seq.cache = self._new_cache(seq)  # nothing (more) to prefill
-                self._keep_prefix(seq, _own_slicer(seq.cache))
                 self._ready.append(_Rows.merge([seq]))
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
@@ -766,22 +770,48 @@ def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
             handle._send.close()
 
 
-def _own_slicer(cache: list[Any]) -> Slicer:
-    """Positions of a single-sequence cache (one KVCache per layer)."""
-    def read(start: int, end: int) -> list[mx.array]:
-        return [a for c in cache for a in (c.keys[..., start:end, :], c.values[..., start:end, :])]
+def _held(layer: Any, row: int | None) -> tuple[mx.array, mx.array, int]:
+    """A layer's keys and values for one sequence in position order, and the position of the first.
+
+    A full cache holds every position (a batch row after its left padding); a sliding-window
+    (rotating) cache only the last ones, possibly wrapped around its ring buffer.
+    """
+    if isinstance(layer, BatchKVCache):
+        pad = int(layer.left_padding[row].item())
+        return layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:], 0
+    if isinstance(layer, KVCache):
+        return layer.keys, layer.values, 0
+    if row is not None:
+        layer = layer.extract(row)  # a rotating row, unrolled into position order
+        keys, values = layer.keys, layer.values
+    else:
+        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    held = min(keys.shape[2], layer.offset)
+    return keys[..., keys.shape[2] - held :, :], values[..., keys.shape[2] - held :, :], layer.offset - held
+
+
+def _slicer(cache: list[Any], row: int | None) -> Slicer:
+    layers = [_held(c, row) for c in cache]
+
+    def read(start: int, end: int) -> list[mx.array | None]:
+        out: list[mx.array | None] = []
+        for keys, values, first in layers:
+            if start < first:
+                out += [None, None]  # a sliding window that has moved past these positions
+            else:
+                out += [keys[..., start - first : end - first, :], values[..., start - first : end - first, :]]
+        return out
     return read
+
+
+def _own_slicer(cache: list[Any]) -> Slicer:
+    """Positions of a single-sequence cache (one KVCache or RotatingKVCache per layer)."""
+    return _slicer(cache, None)
 
 
 def _row_slicer(cache: list[Any], row: int) -> Slicer:
-    """Positions of one row of a left-padded batch cache (one BatchKVCache per layer)."""
-    pads = [int(c.left_padding[row].item()) for c in cache]
-
-    def read(start: int, end: int) -> list[mx.array]:
-        return [a for c, p in zip(cache, pads)
-                for a in (c.keys[row : row + 1, :, p + start : p + end, :],
-                          c.values[row : row + 1, :, p + start : p + end, :])]
-    return read
+    """Positions of one row of a left-padded batch cache (BatchKVCache or BatchRotatingKVCache per layer)."""
+    return _slicer(cache, row)
 
 
 def _merge_caches(caches: list[list[Any]]) -> list[Any]:

@@ -19,13 +19,17 @@ The tier is byte-capped: past ``max_bytes`` the least recently used blocks are
 deleted (cold). ``sweep`` deletes expired ones.
 
 bfloat16 has no NumPy type: such arrays are stored as uint16 with the real
-dtype in the file's metadata, and viewed back on load.
+dtype in the file's metadata, and viewed back on load. A block may lack some
+layers (a sliding-window layer that no longer held its positions): tensors are
+named by their index, and the metadata gives the count.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import struct
 import os
 import queue
 import sqlite3
@@ -71,7 +75,7 @@ class DiskEntry:
 class HostBlock:
     """A block's arrays on the host: keys and values of every layer, in layer order."""
 
-    arrays: tuple[np.ndarray, ...]
+    arrays: tuple[np.ndarray | None, ...]
     dtype: str  # the device dtype ("bfloat16" arrays are stored as uint16)
 
 
@@ -133,7 +137,9 @@ class DiskTier:
             return None
         try:
             tensors = load_safetensors(data)
-            arrays = tuple(tensors[f"{i}"] for i in range(len(tensors)))
+            (size,) = struct.unpack("<Q", data[:8])
+            count = int(json.loads(data[8 : 8 + size])["__metadata__"]["count"])
+            arrays = tuple(tensors.get(f"{i}") for i in range(count))
         except Exception as exc:  # a file that passed the checksum but does not parse: still never serve it
             self._corrupt(key, f"{type(exc).__name__}: {exc}")
             return None
@@ -254,7 +260,8 @@ class DiskTier:
         with self._lock:
             if key in self.index:
                 return
-        data = save_safetensors({f"{i}": a for i, a in enumerate(block.arrays)}, metadata={"dtype": block.dtype})
+        tensors = {f"{i}": a for i, a in enumerate(block.arrays) if a is not None}
+        data = save_safetensors(tensors, metadata={"dtype": block.dtype, "count": str(len(block.arrays))})
         path = self.path(key)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -34,10 +34,18 @@ memory stays *warm* there, and a match reads it back. A block lives until its
 expiry (its requests' TTL after their last use: Anthropic ``cache_control``,
 OpenAI ``ttl``, else ``default_ttl``); then it is deleted (*cold*).
 
-Models whose layer caches are not plain KV caches (sliding-window rotating
-caches as in Gemma 3, recurrent state in hybrid models) cannot be cut into
-position blocks: for them :func:`unsupported_reason` says why, the engine does
-not use the cache, and the model's stats say so.
+Sliding-window layers (Gemma 3's rotating caches) only ever hold the last
+``window`` positions, so their part of a block is kept only when the block is
+copied out while those positions are still held: blocks are stored after every
+prefill chunk (a chunk's positions are all there then), and at the finish for
+answers no longer than the window. A block whose sliding-window part is missing
+still serves the global layers of longer prefixes; a prefix is reused only up
+to a depth whose last ``window`` positions all have their sliding-window part,
+and the rebuilt rotating cache holds exactly those, as mlx-lm's own would.
+Layer caches that are neither (recurrent state of hybrid models, caches that
+keep leading tokens) cannot be cut into position blocks: for them
+:func:`layer_windows` says why, the engine does not use the cache, and the
+model's stats say so.
 
 Threads: :meth:`match` runs on worker threads (it may read files); everything
 that touches MLX arrays (:meth:`build`, :meth:`store`, eviction) runs on the
@@ -57,15 +65,18 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.kv_disk import DiskTier, HostBlock
 
 log = logging.getLogger("flow.prefix_cache")
 
 # ``slicer(start, end)`` → the keys and values of every layer (layer order: k0, v0, k1, v1, …)
-# for token positions [start, end) of one sequence, each shaped [1, heads, end - start, dim].
-Slicer = Callable[[int, int], list[mx.array]]
+# for token positions [start, end) of one sequence, each shaped [1, heads, end - start, dim];
+# None for a sliding-window layer that no longer holds those positions.
+Slicer = Callable[[int, int], list[mx.array | None]]
+# Per layer: None for a full KV cache, the window for a sliding-window (rotating) one.
+Windows = tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ class Block:
     nbytes: int
     expires: float
     persist: bool  # written to the disk tier
-    arrays: list[mx.array] | None = None  # on the device: hot
+    arrays: list[mx.array | None] | None = None  # on the device: hot (None entries: see Slicer)
     host: HostBlock | None = None  # read back from disk, not yet on the device
     refs: int = 0
 
@@ -94,6 +105,7 @@ class PrefixHit:
     """The blocks a match found (referenced until built or released)."""
 
     namespace: bytes
+    windows: Windows
     blocks: list[Block] = field(default_factory=list)
     block_tokens: int = 0
 
@@ -123,12 +135,40 @@ class PrefixStats:
     expired: int = 0
 
 
-def unsupported_reason(cache: Sequence[Any]) -> str | None:
-    """Why a model's prompt cache cannot be cut into blocks, or None when it can."""
-    kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
-    if kinds:
-        return f"its layer caches include {', '.join(kinds)} (not position-addressable); prompts are prefilled in full"
-    return None
+def layer_windows(cache: Sequence[Any]) -> Windows | str:
+    """Each layer's window (None: a full KV cache), or why the model's cache cannot be cut into blocks."""
+    windows: list[int | None] = []
+    odd: set[str] = set()
+    for c in cache:
+        if type(c) is KVCache:
+            windows.append(None)
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            windows.append(int(c.max_size))
+        else:
+            odd.add(type(c).__name__ + (" with kept tokens" if isinstance(c, RotatingKVCache) else ""))
+    if odd:
+        return f"its layer caches include {', '.join(sorted(odd))} (not position blocks); prompts are prefilled in full"
+    return tuple(windows)
+
+
+def usable_depth(blocks: Sequence[Block], windows: Windows, block_tokens: int) -> int:
+    """How many leading blocks can be reused: every sliding-window layer needs its part of the blocks
+    that cover the last ``window`` positions of the prefix."""
+    sliding = [(i, w) for i, w in enumerate(windows) if w is not None]
+    n = len(blocks)
+    while n and sliding:
+        first = max(0, n * block_tokens - max(w for _, w in sliding)) // block_tokens
+        missing = [k for k in range(first, n) for i, _ in sliding if not _has_layer(blocks[k], i)]
+        if not missing:
+            break
+        n = min(missing)  # reuse stops before the first block without its sliding-window part
+    return n
+
+
+def _has_layer(block: Block, layer: int) -> bool:
+    if block.arrays is not None:
+        return block.arrays[2 * layer] is not None
+    return block.host is not None and block.host.arrays[2 * layer] is not None
 
 
 def namespace_of(identity: str) -> bytes:
@@ -146,17 +186,20 @@ def chain_keys(namespace: bytes, tokens: Sequence[int], blocks: int, block_token
     return keys
 
 
-def _to_host(arrays: list[mx.array]) -> HostBlock:
-    dtype = str(arrays[0].dtype).removeprefix("mlx.core.")
-    if arrays[0].dtype == mx.bfloat16:
-        return HostBlock(tuple(np.array(a.view(mx.uint16)) for a in arrays), dtype)
-    return HostBlock(tuple(np.array(a) for a in arrays), dtype)
+def _to_host(arrays: list[mx.array | None]) -> HostBlock:
+    present = [a for a in arrays if a is not None]
+    dtype = str(present[0].dtype).removeprefix("mlx.core.")
+    bf16 = present[0].dtype == mx.bfloat16
+    return HostBlock(tuple(None if a is None else np.array(a.view(mx.uint16) if bf16 else a) for a in arrays), dtype)
 
 
-def _to_device(host: HostBlock) -> list[mx.array]:
-    if host.dtype == "bfloat16":
-        return [mx.array(a).view(mx.bfloat16) for a in host.arrays]
-    return [mx.array(a) for a in host.arrays]
+def _to_device(host: HostBlock) -> list[mx.array | None]:
+    bf16 = host.dtype == "bfloat16"
+    return [None if a is None else mx.array(a).view(mx.bfloat16) if bf16 else mx.array(a) for a in host.arrays]
+
+
+def _nbytes(arrays: Sequence[Any]) -> int:
+    return sum(int(a.nbytes) for a in arrays if a is not None)
 
 
 class PrefixCache:
@@ -171,11 +214,12 @@ class PrefixCache:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ worker threads
-    def match(self, namespace: bytes, tokens: Sequence[int], ttl: float | None = None) -> PrefixHit:
+    def match(self, namespace: bytes, tokens: Sequence[int], windows: Windows, ttl: float | None = None
+              ) -> PrefixHit:
         """The longest cached prefix of ``tokens`` that leaves at least the last token to compute."""
         b = self.config.block_tokens
         keys = chain_keys(namespace, tokens, (len(tokens) - 1) // b, b)
-        hit = PrefixHit(namespace, block_tokens=b)
+        hit = PrefixHit(namespace, windows, block_tokens=b)
         expires = self._expiry(ttl)
         with self._lock:
             self.stats.lookups += 1
@@ -195,13 +239,18 @@ class PrefixCache:
             with self._lock:
                 block = self._blocks.get(key)
                 if block is None:
-                    nbytes = sum(a.nbytes for a in host.arrays)
+                    nbytes = _nbytes(host.arrays)
                     block = Block(key, hit.blocks[-1].key if hit.blocks else None, namespace, nbytes, expires,
                                   persist=True, host=host)
                     self._blocks[key] = block
                     self.stats.disk_reads += 1
                 block.refs += 1
                 hit.blocks.append(block)
+        depth = usable_depth(hit.blocks, windows, b)
+        if depth < len(hit.blocks):
+            unused = PrefixHit(namespace, windows, hit.blocks[depth:], b)
+            hit.blocks = hit.blocks[:depth]
+            self.release(unused)
         with self._lock:
             for block in reversed(hit.blocks):  # deepest first: parents end up the most recently used
                 block.expires = max(block.expires, expires)
@@ -226,21 +275,32 @@ class PrefixCache:
             hit.blocks = []
 
     # ------------------------------------------------------------------ device thread
-    def build(self, hit: PrefixHit) -> list[KVCache]:
-        """A fresh single-sequence cache holding the hit's tokens; the hit's references are dropped."""
+    def build(self, hit: PrefixHit) -> list[Any]:
+        """A fresh single-sequence cache holding the hit's tokens; the hit's references are dropped.
+
+        Full layers get every position; a sliding-window layer gets the last ``window`` positions,
+        in order, as mlx-lm's rotating cache holds them after reading the prefix itself.
+        """
         for block in hit.blocks:
             if block.arrays is None:
                 assert block.host is not None
                 block.arrays, block.host = _to_device(block.host), None
                 self._make_hot(block)
-        layers = len(hit.blocks[0].arrays or []) // 2
-        cache: list[KVCache] = []
-        for layer in range(layers):
-            c = KVCache()
-            keys = mx.concatenate([blk.arrays[2 * layer] for blk in hit.blocks if blk.arrays is not None], axis=2)
-            values = mx.concatenate([blk.arrays[2 * layer + 1] for blk in hit.blocks if blk.arrays is not None],
-                                    axis=2)
-            c.keys, c.values, c.offset = keys, values, keys.shape[2]
+        n = hit.tokens
+        cache: list[Any] = []
+        for layer, window in enumerate(hit.windows):
+            first = 0 if window is None else max(0, n - window) // hit.block_tokens
+            parts = [blk.arrays for blk in hit.blocks[first:] if blk.arrays is not None]
+            keys = mx.concatenate([p[2 * layer] for p in parts], axis=2)
+            values = mx.concatenate([p[2 * layer + 1] for p in parts], axis=2)
+            if window is None:
+                c: Any = KVCache()
+                c.keys, c.values, c.offset = keys, values, n
+            else:
+                held = min(n, window)
+                c = RotatingKVCache(max_size=window, keep=0)
+                c.keys, c.values = keys[..., -held:, :], values[..., -held:, :]
+                c.offset, c._idx = n, held
             cache.append(c)
         mx.eval([(c.keys, c.values) for c in cache])
         self.release(hit)
@@ -262,12 +322,12 @@ class PrefixCache:
                 if known is not None:
                     known.expires = max(known.expires, expires)
             if known is None and not (self.disk is not None and self.disk.has(key)):
-                arrays = [mx.contiguous(a) for a in slicer(i * b, (i + 1) * b)]
-                block = Block(key, parent, namespace, sum(a.nbytes for a in arrays), expires, persist, arrays)
+                arrays = [None if a is None else mx.contiguous(a) for a in slicer(i * b, (i + 1) * b)]
+                block = Block(key, parent, namespace, _nbytes(arrays), expires, persist, arrays)
                 added.append(block)
             parent = key
         if added:
-            mx.eval([a for block in added for a in block.arrays or []])
+            mx.eval([a for block in added for a in block.arrays or [] if a is not None])
             for block in added:
                 self._make_hot(block)
                 if block.persist and self.disk is not None:

@@ -73,6 +73,7 @@ class TinySpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     dtype: DType = "float32"
+    sliding_window: int = 512  # gemma3: the window of its sliding-window layers
 
     def __post_init__(self) -> None:
         if self.arch not in get_args(Arch):
@@ -95,7 +96,10 @@ class TinySpec:
 
     def cache_key(self) -> str:
         """A short hash of every field and the builder version."""
-        payload = json.dumps({"builder": BUILDER_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if fields["sliding_window"] == 512:
+            del fields["sliding_window"]  # added later: builds from before keep their keys
+        payload = json.dumps({"builder": BUILDER_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -692,7 +696,7 @@ def _model_config(info: _ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> 
             "rope_local_base_freq": 10_000.0,
             "rope_scaling": None,
             "query_pre_attn_scalar": spec.head_dim,
-            "sliding_window": 512,
+            "sliding_window": spec.sliding_window,
             # mlx-lm indexes cache[pattern - 1], so the pattern can't exceed the
             # layer count; with 2 layers this gives one sliding + one global layer.
             "sliding_window_pattern": min(6, spec.num_layers),

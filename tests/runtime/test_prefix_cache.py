@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from protocols.ir import CachePolicy
@@ -18,7 +19,7 @@ from runtime.device import DeviceThread
 from runtime.engine import Engine, EngineConfig
 from runtime.kv_disk import DiskTier
 from runtime.prefix_cache import PrefixCache, PrefixConfig, namespace_of
-from runtime.tiny import ensure_tiny_model
+from runtime.tiny import TinySpec, ensure_tiny_model
 from tests.runtime.test_engine import GREEDY, Loaded, collect
 
 BLOCK = 8
@@ -34,13 +35,13 @@ def device() -> Iterator[DeviceThread]:
     thread.stop()
 
 
-def load(device: DeviceThread, preset: str) -> Loaded:
+def load(device: DeviceThread, preset: str | TinySpec) -> Loaded:
     """A tiny model on this module's device thread (models are bound to the thread that loaded them)."""
     from mlx_lm.utils import load as mlx_load
 
     path = ensure_tiny_model(preset)
     model, tokenizer = device.call(lambda: mlx_load(str(path))[:2])
-    return Loaded(preset, model, tokenizer, device)
+    return Loaded(str(preset), model, tokenizer, device)
 
 
 @pytest.fixture(scope="module")
@@ -226,15 +227,82 @@ async def test_expired_blocks_are_deleted(qwen3: Loaded, rigs: list[Rig], tmp_pa
     cache.disk.close()
 
 
-async def test_sliding_window_models_fall_back_and_say_so(device: DeviceThread, rigs: list[Rig]) -> None:
-    gemma = load(device, "tiny-gemma3")
-    r = rig(rigs, gemma)
-    assert r.engine.prefix is None and "RotatingKVCache" in (r.engine.prefix_unsupported or "")
-    assert r.engine.stats_json()["prefix_cache"].startswith("off: its layer caches include RotatingKVCache")
-    prompt = conversation(gemma, "Where is the lamp?")
-    for _ in range(2):
-        _, cached = await r.run(prompt)
-        assert cached == 0
+GEMMA = TinySpec(arch="gemma3", num_layers=2, sliding_window=32)  # layer 0 slides over 32 positions, layer 1 is global
+
+
+@pytest.fixture(scope="module")
+def gemma(device: DeviceThread) -> Loaded:
+    return load(device, GEMMA)
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+async def test_sliding_window_layers_are_rebuilt_exactly(gemma: Loaded, rigs: list[Rig], chunk: int) -> None:
+    """Gemma 3's rotating caches: with prompts far longer than the window, in one prefill chunk or many
+    (the window wraps between chunks), reuse is exact and covers every full block."""
+    r = rig(rigs, gemma, prefill_chunk=chunk)
+    assert r.engine.windows == (32, None) and r.engine.stats_json()["prefix_cache"] == "on"
+    first = conversation(gemma, "Where is the lamp?")
+    assert len(first) > 4 * 32
+    answer, cached = await r.run(first, 40)
+    assert cached == 0
+    _, cached = await r.run(first, 40)
+    assert cached == (len(first) - 1) // BLOCK * BLOCK
+    follow = conversation(gemma, "Where is the lamp?", gemma.tokenizer.decode(answer), "And the keeper?")
+    _, cached = await r.run(follow, 12)
+    assert cached >= (len(first) - 1) // BLOCK * BLOCK
+    other = conversation(gemma, "Tell me about boats.")
+    _, cached = await r.run(other, 12)
+    assert cached > 0
+
+
+async def test_sliding_window_blocks_survive_a_restart(gemma: Loaded, rigs: list[Rig], tmp_path: Path) -> None:
+    """Partial blocks (an answer longer than the window lacks the sliding layer's early positions) go to
+    disk and come back as they were."""
+    first = conversation(gemma, "Where is the lamp?")
+    cache = disk_cache(tmp_path)
+    answer, _ = await rig(rigs, gemma, cache).run(first, 48)
+    assert cache.disk is not None
+    cache.disk.close()
+    restarted = disk_cache(tmp_path)
+    follow = conversation(gemma, "Where is the lamp?", gemma.tokenizer.decode(answer), "And the keeper?")
+    _, cached = await rig(rigs, gemma, restarted).run(follow, 12)
+    assert cached >= (len(first) - 1) // BLOCK * BLOCK and restarted.stats.disk_reads > 0
+    assert restarted.disk is not None
+    restarted.disk.close()
+
+
+def test_reuse_stops_where_a_sliding_window_lacks_its_positions() -> None:
+    """A block copied out after the window moved on lacks the sliding layer's part; a prefix is only
+    reused to a depth whose last ``window`` positions all have it."""
+    from runtime.prefix_cache import Block, usable_depth
+
+    def block(i: int, sliding: bool) -> Block:
+        part = mx.zeros((1, 1, BLOCK, 2))
+        return Block(bytes([i]), None, b"", 0, 0.0, False, [part if sliding else None, None if not sliding else part,
+                                                             part, part])
+
+    windows = (16, None)  # layer 0 slides over two blocks
+    blocks = [block(i, i >= 4) for i in range(8)]
+    assert usable_depth(blocks, windows, BLOCK) == 8  # the last two blocks have it
+    blocks[7] = block(7, False)
+    assert usable_depth(blocks, windows, BLOCK) == 7
+    blocks[5] = block(5, False)
+    assert usable_depth(blocks, windows, BLOCK) == 0  # depth 5 would need blocks 3 and 4: 3 lacks it, and so on
+    blocks = [block(i, i != 2) for i in range(8)]
+    assert usable_depth(blocks, windows, BLOCK) == 8  # a gap far behind the window does not matter
+    assert usable_depth(blocks[:4], windows, BLOCK) == 2  # depth 4 needs blocks 2 and 3
+    assert usable_depth(blocks, (None, None), BLOCK) == 8  # no sliding layer: every block counts
+
+
+def test_recurrent_or_keep_caches_fall_back_and_say_so() -> None:
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from runtime.prefix_cache import layer_windows
+
+    assert layer_windows([KVCache(), RotatingKVCache(max_size=64)]) == (None, 64)
+    reason = layer_windows([KVCache(), ArraysCache(2)])
+    assert isinstance(reason, str) and "ArraysCache" in reason and "prefilled in full" in reason
+    assert isinstance(layer_windows([RotatingKVCache(max_size=64, keep=4)]), str)
 
 
 async def test_sessions_report_their_tier(qwen3: Loaded, rigs: list[Rig], tmp_path: Path) -> None:
