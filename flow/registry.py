@@ -48,6 +48,7 @@ def _load() -> None:
     importlib.import_module("flow.response_store")
     importlib.import_module("flow.pool")
     importlib.import_module("flow.prefix")
+    importlib.import_module("flow.agent_store")
     for ep in entry_points(group="flow.stages"):
         try:
             ep.load()

@@ -453,6 +453,7 @@ ERROR_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "not_found": "not_found_error",
+    "conflict": "invalid_request_error",
     "method_not_allowed": "invalid_request_error",
     "request_too_large": "request_too_large",
     "rate_limit": "rate_limit_error",

@@ -16,6 +16,7 @@ ErrorKind = Literal[
     "authentication",
     "permission",
     "not_found",
+    "conflict",
     "method_not_allowed",
     "request_too_large",
     "rate_limit",
@@ -29,6 +30,7 @@ STATUS: dict[ErrorKind, int] = {
     "authentication": 401,
     "permission": 403,
     "not_found": 404,
+    "conflict": 409,  # the resource exists already (e.g. an agent id)
     "method_not_allowed": 405,
     "request_too_large": 413,
     "rate_limit": 429,

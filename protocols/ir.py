@@ -26,6 +26,9 @@ from typing import Any, Literal, Union
 
 FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+# What ``chat.prepare`` does with a conversation longer than the context: refuse it (a
+# ``context_length_exceeded`` error), or leave out its oldest turns after the system prompt.
+ContextOverflow = Literal["error", "drop_oldest"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,13 @@ class Message:
         out.update(dict(self.extra))
         return out
 
+    @classmethod
+    def from_template(cls, message: dict[str, Any]) -> Message:
+        """The inverse of :meth:`to_template` (stored conversations are kept in template shape)."""
+        rest = {k: v for k, v in message.items() if k not in ("role", "content", "name")}
+        return cls(role=message["role"], content=message.get("content") or "", name=message.get("name"),
+                   extra=tuple(rest.items()))
+
 
 @dataclass(frozen=True)
 class ChatRequest:
@@ -132,6 +142,10 @@ class ChatRequest:
     created: int = 0
     user: str | None = None
     cache: CachePolicy = CachePolicy()
+    # A context limit below the model's (tokens of prompt + max_tokens; None: the model's own),
+    # and what to do when the messages do not fit (None: the ``chat.prepare`` stage's setting).
+    max_context: int | None = None
+    context_overflow: ContextOverflow | None = None
     # Protocol-specific values that only the protocol's own exit stage reads back
     # (e.g. Responses' ``store`` and ``previous_response_id``); other stages ignore them.
     extensions: tuple[tuple[str, Any], ...] = ()

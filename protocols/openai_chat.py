@@ -223,7 +223,11 @@ def _message(msg: ChatMessageIn, index: int) -> Message:
 
 def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatRequest:
     """Validate an OpenAI chat body and map it to the protocol-neutral request."""
-    parsed = parse_json_body(ChatCompletionBody, body)
+    return decode_chat_body(parse_json_body(ChatCompletionBody, body), request_id, created)
+
+
+def decode_chat_body(parsed: ChatCompletionBody, request_id: str, created: int) -> ChatRequest:
+    """Map an already validated chat body (or a subclass's: the agents API) to the protocol-neutral request."""
     if parsed.top_logprobs and not parsed.logprobs:
         raise ApiError("invalid_request", "'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     return ChatRequest(
@@ -285,6 +289,24 @@ def _tool_calls_json(result: FinalResult) -> list[dict[str, Any]]:
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in result.tool_calls
     ]
+
+
+def assistant_message(result: FinalResult) -> Message:
+    """The assistant turn of a result as a client sends it back in ``messages`` (template shape:
+    tool-call arguments as objects where they parse), for servers that keep the conversation."""
+    extra: list[tuple[str, Any]] = []
+    if result.reasoning:
+        extra.append(("reasoning_content", result.reasoning))
+    if result.tool_calls:
+        calls = []
+        for call in result.tool_calls:
+            try:
+                arguments: Any = json.loads(call.arguments or "{}")
+            except json.JSONDecodeError:
+                arguments = call.arguments  # templates render a string as it is
+            calls.append({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+        extra.append(("tool_calls", calls))
+    return Message("assistant", result.text, extra=tuple(extra))
 
 
 def encode_completion(result: FinalResult) -> dict[str, Any]:
@@ -392,6 +414,7 @@ _ERROR_TYPES = {
     "authentication": "authentication_error",
     "permission": "permission_error",
     "not_found": "not_found_error",
+    "conflict": "invalid_request_error",
     "method_not_allowed": "invalid_request_error",
     "request_too_large": "invalid_request_error",
     "rate_limit": "rate_limit_error",

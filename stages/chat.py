@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import trio
@@ -17,8 +18,10 @@ from flow.stage import Outbox, Stage, StageConfig
 from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
+    ContextOverflow,
     Generation,
     GenerationStarted,
+    Message,
     PreparedPrompt,
     ResponseFinished,
     ResponseStarted,
@@ -56,10 +59,30 @@ def render_prompt(tokenizer: Any, request: ChatRequest, family: Family) -> str:
     return str(text)
 
 
+def turn_groups(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
+    """The leading system (and developer) messages, and the turns after them: each turn a user
+    message with the assistant and tool messages that follow it (messages before the first user
+    message form a turn of their own). Dropping whole turns keeps tool calls with their results."""
+    start = 0
+    while start < len(messages) and messages[start].role in ("system", "developer"):
+        start += 1
+    turns: list[list[Message]] = []
+    for message in messages[start:]:
+        if message.role == "user" or not turns:
+            turns.append([])
+        turns[-1].append(message)
+    return messages[:start], [tuple(t) for t in turns]
+
+
 class PrepareConfig(ModelStageConfig):
     stop_tokens: list[str] = Field(
         default_factory=list,
         description="extra tokens that end generation (e.g. end-of-turn tokens the tokenizer config omits)")
+    context_overflow: ContextOverflow = Field(
+        default="error",
+        description="messages + max_tokens longer than the context: error (context_length_exceeded), or "
+                    "drop_oldest (leave out the oldest turns after the system prompt, never the last user "
+                    "message); a request may say otherwise (the agents API does)")
 
 
 @register_stage
@@ -119,19 +142,23 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             text = request.prompt
             ids = tuple(tokenizer.encode(text))
         else:
-            text = render_prompt(tokenizer, request, resource.family)
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            text, ids = self._render_within(tokenizer, request, resource.family, self._limit(loaded, request))
         if not ids:
             raise ApiError("invalid_request", "The prompt is empty after applying the chat template.", param="messages")
         self._check_kv_budget(resource, loaded, len(ids), request.max_tokens or 1)
-        room = loaded.context_length - len(ids)
+        limit = self._limit(loaded, request)
+        room = limit - len(ids)
+        what = (f"This model's maximum context length is {limit} tokens" if limit == loaded.context_length
+                else f"This conversation's max_context is {limit} tokens")
+        dropping = self._overflow(request) == "drop_oldest" and request.prompt is None
+        dropped = ", even with its earlier turns left out" if dropping else ""
         if request.max_tokens is not None:
             if request.max_tokens > room:
                 raise ApiError(
                     "context_length_exceeded",
-                    f"This model's maximum context length is {loaded.context_length} tokens. The messages use "
-                    f"{len(ids)} tokens and max_tokens asks for {request.max_tokens}, "
-                    f"{len(ids) + request.max_tokens} in all; reduce the messages or max_tokens.",
+                    f"{what}. The messages use {len(ids)} tokens and max_tokens asks for {request.max_tokens}, "
+                    f"{len(ids) + request.max_tokens} in all{dropped}; "
+                    f"{'shorten the last message' if dropping else 'reduce the messages'} or max_tokens.",
                     param="max_tokens",
                 )
             max_tokens = request.max_tokens
@@ -139,13 +166,55 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
             if room < 1:
                 raise ApiError(
                     "context_length_exceeded",
-                    f"This model's maximum context length is {loaded.context_length} tokens and the messages "
-                    f"already use {len(ids)}; shorten them.",
+                    f"{what} and the messages already use {len(ids)}{dropped}; "
+                    f"{'shorten the last message' if dropping else 'shorten them'}.",
                     param="messages",
                 )
             max_tokens = min(resource.config.default_max_tokens, room)
         return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
                               stop_token_ids=self.stop_ids(resource.name, tokenizer), max_tokens=max_tokens, text=text)
+
+    def _overflow(self, request: ChatRequest) -> ContextOverflow:
+        return request.context_overflow or self.config.context_overflow  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _limit(loaded: Any, request: ChatRequest) -> int:
+        """Tokens of prompt + max_tokens allowed: the model's context, or the request's lower cap."""
+        limit: int = loaded.context_length
+        return min(limit, request.max_context) if request.max_context else limit
+
+    def _render_within(self, tokenizer: Any, request: ChatRequest, family: Family,
+                       limit: int) -> tuple[str, tuple[int, ...]]:
+        """The prompt's text and ids; under ``drop_oldest``, with as few of the oldest turns left out as
+        makes prompt + max_tokens fit in ``limit`` (when nothing does, the shortest: the caller refuses it)."""
+
+        def render(messages: tuple[Message, ...]) -> tuple[str, tuple[int, ...]]:
+            text = render_prompt(tokenizer, replace(request, messages=messages), family)
+            return text, tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        def fits(ids: tuple[int, ...]) -> bool:
+            return len(ids) + (request.max_tokens or 1) <= limit
+
+        full = render(request.messages)
+        if fits(full[1]) or self._overflow(request) != "drop_oldest":
+            return full
+        head, turns = turn_groups(request.messages)
+        # Fewest turns to drop (never the last, which holds the newest user message): binary search,
+        # as prompts only shrink with more turns left out.
+        low, high, best = 1, len(turns) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            attempt = render(head + tuple(m for turn in turns[middle:] for m in turn))
+            if fits(attempt[1]):
+                best, high = (middle, attempt), middle - 1
+            else:
+                low = middle + 1
+        if best is None:  # not even the last turn fits: the caller's error counts what is left of the prompt
+            return render(head + turns[-1]) if len(turns) > 1 else full
+        dropped, prompt = best
+        log.info("stage %s: %d-token prompt + max_tokens over the %d-token limit; left out the oldest %d of %d "
+                 "turns (%d tokens now)", self.id, len(full[1]), limit, dropped, len(turns), len(prompt[1]))
+        return prompt
 
     async def run(self, inbox: trio.MemoryReceiveChannel[ChatRequest], outbox: Outbox[PreparedPrompt]) -> None:
         async for request in inbox:

@@ -18,7 +18,16 @@ from pydantic import Field
 from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
 from protocols.codec import Codec
 from protocols.errors import ApiError
-from protocols.ir import ChatRequest, FinalResult, HttpRequest, ResponseStarted, ResultBuilder, StreamEvent, WireFrame
+from protocols.ir import (
+    ChatRequest,
+    FinalResult,
+    HttpRequest,
+    ResponseFinished,
+    ResponseStarted,
+    ResultBuilder,
+    StreamEvent,
+    WireFrame,
+)
 from protocols.sse import dumps
 
 SSE_HEADERS = (("content-type", "text/event-stream"), ("cache-control", "no-cache"), ("x-accel-buffering", "no"))
@@ -75,7 +84,9 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
         return [WireFrame(b"".join(cls.codec.error_frames(error)))]
 
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
-        """Called once the whole response is known (the Responses store keeps it)."""
+        """Called once the whole response is known (the Responses store keeps it, the agents API
+        appends it to the agent's history), before its last bytes are sent: a client that follows
+        up as soon as it has the response finds it recorded."""
 
     async def run(self, inbox: trio.MemoryReceiveChannel[StreamEvent], outbox: Outbox[WireFrame]) -> None:
         header = await inbox.receive()
@@ -97,15 +108,18 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
                     await outbox.send(WireFrame(b"".join(encoder.keepalive())))
                     continue
                 builder.add(event)
+                if isinstance(event, ResponseFinished):
+                    result = builder.result()
+                    await self.finished(result, self.codec.encode_final(result))
                 frames = encoder.encode(event)
                 if frames:
                     await outbox.send(WireFrame(b"".join(frames)))
-            result = builder.result()
-            await self.finished(result, self.codec.encode_final(result))
+            if builder.finished is None:
+                builder.result()  # raises: the stream ended without its finish event
             return
         async for event in inbox:
             builder.add(event)
         result = builder.result()
         body = self.codec.encode_final(result)
-        await outbox.send(json_frame(body))
         await self.finished(result, body)
+        await outbox.send(json_frame(body))
