@@ -75,7 +75,8 @@ def chat(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) 
     return seconds, r.json()
 
 
-def start_server(kind: str, model_dir: Path, port: int, tmp: Path, cache_dir: Path) -> subprocess.Popen[bytes]:
+def start_server(kind: str, model_dir: Path, port: int, tmp: Path, cache_dir: Path, block_tokens: int | None
+                 ) -> subprocess.Popen[bytes]:
     log = open(tmp / f"{kind}.log", "ab")
     if kind == "mlx_lm.server":
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port),
@@ -88,6 +89,8 @@ def start_server(kind: str, model_dir: Path, port: int, tmp: Path, cache_dir: Pa
         text = 'drop = ["prefix_cache"]\n' + text
     else:
         text += f'\n[resources.prefix_cache]\ndirectory = "{cache_dir}"\n'
+        if block_tokens:
+            text += f"block_tokens = {block_tokens}\n"
     graph.write_text(text)
     cmd = [str(Path(sys.executable).parent / "flow"), "--log-level", "WARNING", "serve", str(graph), "--port",
            str(port)]
@@ -95,12 +98,13 @@ def start_server(kind: str, model_dir: Path, port: int, tmp: Path, cache_dir: Pa
 
 
 class Server:
-    def __init__(self, kind: str, model_dir: Path, tmp: Path, cache_dir: Path) -> None:
+    def __init__(self, kind: str, model_dir: Path, tmp: Path, cache_dir: Path, block_tokens: int | None = None
+                 ) -> None:
         self.kind = kind
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = "default_model" if kind == "mlx_lm.server" else "bench"
-        self.proc = start_server(kind, model_dir, self.port, tmp, cache_dir)
+        self.proc = start_server(kind, model_dir, self.port, tmp, cache_dir, block_tokens)
         wait_ready(self.url, self.proc)
         chat(self.url, self.model, [{"role": "user", "content": "warm up"}], 2)
 
@@ -131,7 +135,7 @@ class Server:
 def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     cache_dir = tmp / "kv-cache"
     system = system_prompt(args.system_tokens, model_dir)
-    cached = Server("flow-cached", model_dir, tmp, cache_dir)
+    cached = Server("flow-cached", model_dir, tmp, cache_dir, args.block_tokens)
     cold = Server("flow-cold", model_dir, tmp, cache_dir)
     mlx = Server("mlx_lm.server", model_dir, tmp, cache_dir) if args.mlx_lm else None
     turns: list[dict[str, Any]] = []
@@ -173,7 +177,7 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     # Restart the cached server over the same cache directory and resume the conversation.
     peaks = {"flow-cached": cached.stop()}
     time.sleep(1)
-    resumed = Server("flow-cached", model_dir, tmp, cache_dir)
+    resumed = Server("flow-cached", model_dir, tmp, cache_dir, args.block_tokens)
     history.append({"role": "user", "content": "After the restart: what was the first thing I asked?"})
     restart = {"cold_ms": round(cold.ttft(history) * 1000, 1), "resumed_ms": round(resumed.ttft(history) * 1000, 1)}
     restart["speedup"] = round(restart["cold_ms"] / restart["resumed_ms"], 1)
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=12)
     parser.add_argument("--system-tokens", type=int, default=3500)
     parser.add_argument("--answer-tokens", type=int, default=48)
+    parser.add_argument("--block-tokens", type=int, help="the prefix cache's block size (default: the graph's)")
     parser.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false", help="skip mlx_lm.server")
     parser.add_argument("--json", help="also write the full result here")
     args = parser.parse_args(argv)
@@ -227,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flow-bench-prefix-") as tmpdir:
         result = run(args, model_dir, Path(tmpdir))
     result.update(model=args.model, openblas=blas.openblas_active(), cpus=os.cpu_count(),
+                  block_tokens=args.block_tokens,
                   system_tokens=args.system_tokens, answer_tokens=args.answer_tokens,
                   command=" ".join([Path(sys.executable).name, *sys.argv]))
     if args.json:
