@@ -38,7 +38,7 @@ log = logging.getLogger("flow.prefix")
 
 
 class PrefixCacheConfig(ResourceConfig):
-    block_tokens: int = Field(default=64, ge=8, le=4096, description="tokens per KV block (the unit of reuse)")
+    block_tokens: int = Field(default=16, ge=8, le=4096, description="tokens per KV block (the unit of reuse)")
     hot_bytes: int = Field(default=2 << 30, ge=1 << 20, description="memory for cached KV blocks (LRU beyond)")
     disk: bool = Field(default=True, description="keep blocks on disk too (warm tier, survives restarts)")
     directory: str | None = Field(default=None, description="warm tier directory (default: DATA_DIR/kv-cache)")

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import struct
+import sys
 import os
 import queue
 import sqlite3
@@ -229,6 +230,11 @@ class DiskTier:
                      self.directory)
 
     def _write_loop(self) -> None:
+        if hasattr(os, "setpriority") and sys.platform == "linux":  # Linux threads have their own nice value
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # serving comes first
+            except OSError:
+                pass
         db = self._connect()
         try:
             while (item := self._queue.get()) is not None:
@@ -283,12 +289,13 @@ class DiskTier:
             db.execute("DELETE FROM blocks WHERE key = ?", (victim.hex(),))
 
     def _over_cap(self) -> list[bytes]:
-        """Least recently used entries to delete until the tier fits ``max_bytes`` (lock held)."""
+        """Least recently used entries to delete once the tier is over ``max_bytes`` (lock held): down to
+        nine tenths of it, so that a full tier sorts its index now and then, not on every write."""
         if self.bytes <= self.max_bytes:
             return []
         victims: list[bytes] = []
         for entry in sorted(self.index.values(), key=lambda e: e.last_access):
-            if self.bytes <= self.max_bytes:
+            if self.bytes <= self.max_bytes * 0.9:
                 break
             victims.append(entry.key)
             self._forget(entry.key)

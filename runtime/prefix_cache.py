@@ -81,7 +81,7 @@ Windows = tuple[int | None, ...]
 
 @dataclass(frozen=True)
 class PrefixConfig:
-    block_tokens: int = 64
+    block_tokens: int = 16
     hot_bytes: int = 2 << 30
     default_ttl: float = 86400.0  # seconds a block lives after its last use unless a request says otherwise
     memory_only_ttl: float = 300.0  # blocks of ``ttl = 0`` requests: memory only, and this long at most
@@ -224,24 +224,21 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(keys) * b
-            for key in keys:
+        for key in keys:
+            with self._lock:
                 block = self._blocks.get(key)
-                if block is None:
-                    break
-                block.refs += 1
-                hit.blocks.append(block)
-        for key in keys[len(hit.blocks):]:  # the rest may be warm, on disk
-            if self.disk is None:
-                break
-            host = self.disk.read(key)
+                if block is not None:
+                    block.refs += 1
+                    hit.blocks.append(block)
+                    continue
+            host = self.disk.read(key) if self.disk is not None else None  # warm: on disk (outside the lock)
             if host is None:
                 break
             with self._lock:
-                block = self._blocks.get(key)
+                block = self._blocks.get(key)  # read back meanwhile by another match?
                 if block is None:
-                    nbytes = _nbytes(host.arrays)
-                    block = Block(key, hit.blocks[-1].key if hit.blocks else None, namespace, nbytes, expires,
-                                  persist=True, host=host)
+                    parent = hit.blocks[-1].key if hit.blocks else None
+                    block = Block(key, parent, namespace, _nbytes(host.arrays), expires, persist=True, host=host)
                     self._blocks[key] = block
                     self.stats.disk_reads += 1
                 block.refs += 1
