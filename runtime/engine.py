@@ -21,11 +21,17 @@ A sequence moves through three places:
   sequence may arrive with a prefix-cache hit (``submit(prefix=...)``, from
   :meth:`Engine.match_prefix`): its cache is built from the hit's blocks when
   its prefill begins, and the prefill starts after them.
-* **ready**: prefilled rows, joining the batch at the end of the step.
+* **started**: once every prompt token but the last is in its cache, a
+  sequence's last prompt token runs in a forward pass of its own (one pass for
+  the sequences prefilled together), whose logits give its **first token**,
+  handed out at once: the time to first token is its prefill plus one small
+  pass, never a step of the whole batch.
+* **ready**: started rows, joining the batch at the end of the step with their
+  first token as their next input.
 * **the decode batch**: one left-padded batch KV cache per layer (mlx-lm's
   ``BatchKVCache`` / ``BatchRotatingKVCache``). Ready sequences are *merged*
   in (their own caches become rows, left-padded to the batch's length), with
-  their last prompt token as the row's next input. Each step runs **one**
+  their first token as the row's next input. Each step runs **one**
   forward pass with one input token per row, samples every row
   (:func:`runtime.sampling.sample_batch`, per-sequence parameters and keys)
   and evaluates it with ``mx.async_eval``, while Python reads the *previous*
@@ -36,8 +42,8 @@ A sequence moves through three places:
   of a step inside ``async_eval`` itself, so there the engine reads and hands
   out step *n* first and then launches *n+1*: trio streams the tokens on the
   other core while the step computes, and no token is held back a step. A row
-  whose input was its last prompt token ("fresh") emits nothing that step; its
-  first generated token comes out the step after. Finished and cancelled rows
+  whose input is its first token ("fresh") hands nothing out that step: that
+  token went out when it was sampled. Finished and cancelled rows
   are removed with the caches' ``filter`` (their KV memory goes with them);
   the one extra token computed for a finished row is dropped.
 
@@ -166,7 +172,7 @@ class _Sequence:
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
     prefilled: int = 0  # prompt tokens in ``cache`` (or in ``hit``)
     fed: list[int] = field(default_factory=list)  # generated tokens that went back in as inputs
-    fresh: bool = False  # in the batch, and its input this step is its last prompt token
+    fresh: bool = False  # in the batch, and its input this step is its first token (already handed out)
     generated: int = 0
     history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
     submitted_at: float = field(default_factory=time.perf_counter)
@@ -178,6 +184,7 @@ class _Rows:
     def __init__(self, seqs: list[_Sequence] | None = None, cache: list[Any] | None = None) -> None:
         self.seqs: list[_Sequence] = seqs or []
         self.cache: list[Any] = cache or []
+        self.first: list[int] = []  # started rows: each one's first token, its next input
 
     @classmethod
     def merge(cls, seqs: list[_Sequence]) -> _Rows:
@@ -192,22 +199,25 @@ class _Rows:
 
     def extend(self, other: _Rows) -> None:
         if not self.seqs:
-            self.seqs, self.cache = list(other.seqs), other.cache
+            self.seqs, self.cache, self.first = list(other.seqs), other.cache, list(other.first)
             return
         for mine, theirs in zip(self.cache, other.cache):
             mine.extend(theirs)
         self.seqs.extend(other.seqs)
+        self.first.extend(other.first)
 
     def keep(self, keep: list[int]) -> None:
         """Keep only these rows (in order); the others' KV memory is released."""
         if len(keep) == len(self.seqs):
             return
         if not keep:
-            self.seqs, self.cache = [], []
+            self.seqs, self.cache, self.first = [], [], []
             return
         for c in self.cache:
             c.filter(keep)
         self.seqs = [self.seqs[i] for i in keep]
+        if self.first:
+            self.first = [self.first[i] for i in keep]
 
     @property
     def nbytes(self) -> int:
@@ -224,14 +234,15 @@ class _DecodeBatch(_Rows):
         self.report: tuple[list[_Sequence], LogprobReport] | None = None
 
     def add(self, rows: _Rows) -> None:
-        """Prefilled rows join; each one's last prompt token is its next input."""
-        last = mx.array([s.prompt[-1] for s in rows.seqs], dtype=mx.uint32)
-        self.inputs = last if self.inputs is None or not self.seqs else mx.concatenate([self.inputs, last])
+        """Started rows join; each one's first token is its next input."""
+        first = mx.array(rows.first, dtype=mx.uint32)
+        self.inputs = first if self.inputs is None or not self.seqs else mx.concatenate([self.inputs, first])
         for seq in rows.seqs:
             seq.fresh = True
             if seq.sampler.processors:
-                seq.history = seq.prompt[-1 - seq.sampler.history_window : -1]
+                seq.history = seq.prompt[-seq.sampler.history_window :]
         self.extend(rows)
+        self.first = []
 
     def keep(self, keep: list[int]) -> None:
         if len(keep) == len(self.seqs):
@@ -515,7 +526,7 @@ class Engine:
                 for _ in group:
                     self._waiting.popleft()
                 try:
-                    self._ready.append(self._prefill_together(group))
+                    self._start(self._prefill_together(group), out)
                 except Exception as exc:
                     log.exception("prefill failed; failing its sequences")
                     self._fail(group, exc, out)
@@ -554,7 +565,7 @@ class Engine:
             try:
                 if seq.cache is None:
                     seq.cache = self._new_cache(seq)  # nothing (more) to prefill
-                self._ready.append(_Rows.merge([seq]))
+                self._start(_Rows.merge([seq]), out)
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
                 self._fail([seq], exc, out)
@@ -595,6 +606,49 @@ class Engine:
             self._keep_prefix(seq, _row_slicer(rows.cache, row))
         return rows
 
+    def _start(self, rows: _Rows, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        """Run the rows' last prompt tokens, sample and hand out their first tokens; the rows that go on
+        wait in ready for the batch."""
+        seqs = rows.seqs
+        last = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
+        logits = self.model(last[:, None], cache=rows.cache)[:, -1, :]
+        contexts = [mx.array(s.prompt[-s.sampler.history_window :], dtype=mx.uint32) if s.sampler.processors
+                    else None for s in seqs]
+        sample = sample_batch(logits, [s.sampler for s in seqs], contexts)
+        mx.eval(sample.tokens, *(sample.report.arrays() if sample.report else ()), [c.state for c in rows.cache])
+        tokens: list[int] = sample.tokens.tolist()  # type: ignore[assignment]
+        logprobs: dict[_Sequence, TokenLogprob] = {}
+        if sample.report is not None:
+            wanted = [seqs[r] for r in sample.report.rows]
+            read = sample.report.read([tokens[r] for r in sample.report.rows],
+                                      [s.sampler.top_logprobs or 0 for s in wanted])
+            logprobs = dict(zip(wanted, read))
+        now = time.perf_counter()
+        keep: list[int] = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            finish: FinishReason | None = None
+            if token in seq.stop_ids:
+                chunk = TokenChunk((), "stop")
+                finish = "stop"
+            else:
+                seq.generated = 1
+                self._ttfts.append(now - seq.submitted_at)
+                self.stats.generated_tokens += 1
+                finish = "length" if seq.max_tokens <= 1 else None
+                report = logprobs.get(seq)
+                chunk = TokenChunk((token,), finish, (report,) if report is not None else ())
+            out.append((seq, chunk))
+            if finish is None:
+                keep.append(i)
+            else:
+                self.stats.finished += 1
+                self._finish_times.append(now)
+        self.stats.prompt_tokens += len(seqs)  # their last prompt tokens
+        rows.first = tokens
+        rows.keep(keep)
+        if rows.seqs:
+            self._ready.append(rows)
+
     def _admit(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
         """Merge the ready rows into the decode batch."""
         if not self._ready:
@@ -610,7 +664,6 @@ class Engine:
             log.exception("could not merge sequences into the batch; failing them")
             self._fail([s for r in ready for s in r.seqs], exc, out)
             return
-        self.stats.prompt_tokens += len(joining)  # each last prompt token runs in the next decode step
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _decode(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
@@ -641,14 +694,13 @@ class Engine:
         finished_rows: list[int] = []
         for i, seq in enumerate(batch.seqs):
             token = values[i]
-            if not seq.fresh:
-                seq.fed.append(token)
+            seq.fed.append(token)
             if seq.sampler.processors:
                 seq.history.append(token)
                 if len(seq.history) > 4 * seq.sampler.history_window:
                     del seq.history[: -seq.sampler.history_window]
             if seq.fresh:
-                seq.fresh = False  # its input was its last prompt token: nothing to hand out yet
+                seq.fresh = False  # its input was its first token, handed out when it was sampled
                 keep.append(i)
                 continue
             finish: FinishReason | None = None

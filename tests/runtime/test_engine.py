@@ -363,6 +363,18 @@ async def test_cancel_while_waiting_and_prefilling(qwen3: Loaded, engines: Engin
 
 # --------------------------------------------------------------------------- stats (prefix cache: test_prefix_cache.py)
 
+async def test_first_token_comes_from_the_prefill_not_a_batch_step(qwen3: Loaded, engines: Engines) -> None:
+    """The last prompt token runs in a small pass right after the prefill and its logits give the first
+    token: a one-token answer never waits for (or takes part in) a decode step of the batch."""
+    engine = engines(qwen3)
+    prompts = [qwen3.chat(p) for p in PROMPTS[:3]]
+    results = await run_all(engine, prompts, 1)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == qwen3.reference(prompt, 1)[:1] and result.finish in ("length", "stop")
+    assert engine.stats.decode_steps == 0 and engine.stats.finished == 3
+    assert engine.stats.prompt_tokens == sum(len(p) for p in prompts)
+
+
 async def test_stats_and_kv_estimate(qwen3: Loaded, engines: Engines) -> None:
     engine = engines(qwen3)
     spec = PRESETS["tiny-qwen3"]
