@@ -11,13 +11,18 @@ from flow.spec import load_tables
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 
-__all__ = ["GRAPHS", "RunningServer", "graph_with_model", "running_server"]
+__all__ = ["GRAPHS", "RunningServer", "graph_with_model", "running_server", "tables_with_model"]
+
+
+def tables_with_model(model_path: Path | str, *, graph: str = "default.toml", name: str = "tiny",
+                      **overrides: Any) -> dict[str, Any]:
+    """The named graph file's tables with its model resource pointed at ``model_path`` (to adjust further)."""
+    tables = load_tables(GRAPHS / graph)
+    tables["resources"]["model"].update(path=str(model_path), name=name, aliases=["default"], **overrides)
+    return tables
 
 
 def graph_with_model(model_path: Path | str, *, graph: str = "default.toml", name: str = "tiny",
                      **overrides: Any) -> CompiledGraph:
     """The named graph file with its model resource pointed at ``model_path``."""
-    tables = load_tables(GRAPHS / graph)
-    table = tables["resources"]["model"]
-    table.update(path=str(model_path), name=name, aliases=["default"], **overrides)
-    return compile_tables(tables, f"{graph} (test)")
+    return compile_tables(tables_with_model(model_path, graph=graph, name=name, **overrides), f"{graph} (test)")

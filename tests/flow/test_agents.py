@@ -17,10 +17,9 @@ import openai
 import pytest
 
 from flow.compiler import compile_tables
-from flow.spec import load_tables
 from protocols.ir import Message
 from stages.chat import turn_groups
-from tests.harness import GRAPHS, RunningServer, running_server
+from tests.harness import RunningServer, running_server, tables_with_model
 
 BLOCK = 16
 SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly, mention the lamp, "
@@ -30,8 +29,7 @@ SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly,
 @contextmanager
 def agent_server(model: Path, tmp: Path, *, extra_models: dict[str, Path] | None = None,
                  **store: Any) -> Iterator[RunningServer]:
-    tables = load_tables(GRAPHS / "default.toml")
-    tables["resources"]["model"].update(path=str(model), name="tiny", aliases=["default"])
+    tables = tables_with_model(model)
     for name, path in (extra_models or {}).items():
         tables["resources"][name] = {"type": "model", "path": str(path)}
     tables["resources"]["prefix_cache"].update(directory=str(tmp / "kv"), block_tokens=BLOCK)

@@ -17,8 +17,7 @@ import openai
 import pytest
 
 from flow.compiler import compile_tables
-from flow.spec import load_tables
-from tests.harness import GRAPHS, RunningServer, running_server
+from tests.harness import RunningServer, running_server, tables_with_model
 
 BLOCK = 16
 SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly, mention the lamp, "
@@ -27,8 +26,7 @@ SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly,
 
 @contextmanager
 def cached_server(model: Path, directory: Path, **cache: Any) -> Iterator[RunningServer]:
-    tables = load_tables(GRAPHS / "default.toml")
-    tables["resources"]["model"].update(path=str(model), name="tiny", aliases=["default"])
+    tables = tables_with_model(model)
     tables["resources"]["prefix_cache"].update(directory=str(directory), block_tokens=BLOCK, **cache)
     with running_server(compile_tables(tables, "default.toml (prefix test)")) as server:
         yield server
