@@ -194,6 +194,7 @@ class DiskTier:
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.directory / "index.sqlite")
         db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # a cache: no fsync per commit; checksums catch what a crash tears
         db.execute(_SCHEMA)
         return db
 
