@@ -214,15 +214,15 @@ class AgentStore:
                     model: str) -> bool:
         """Append a finished turn to the history; remember where the turn's KV blocks are (False: the
         agent was deleted meanwhile)."""
-        state = self.prefix.sessions.get(session_id(agent_id)) if self.prefix is not None else None
+        state = self.prefix.session(session_id(agent_id)) if self.prefix is not None else None
         with self._transaction() as dbs:
             for db in dbs.values():
                 row = self._row(db, agent_id)
                 if row is None:
                     continue
                 kv = json.loads(row[8])
-                if state is not None and state.last_key is not None:
-                    kv[model] = state.last_key.hex()
+                if state is not None and state["last_block"] is not None:
+                    kv[model] = state["last_block"]
                 (start,) = db.execute("SELECT COALESCE(MAX(seq) + 1, 0) FROM messages WHERE agent_id = ?",
                                       (agent_id,)).fetchone()
                 db.executemany("INSERT INTO messages VALUES (?, ?, ?)",

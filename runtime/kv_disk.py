@@ -99,9 +99,14 @@ class DiskTier:
         self._writer.start()
 
     # ------------------------------------------------------------------ any thread
-    def path(self, key: bytes) -> Path:
+    @staticmethod
+    def path_in(directory: Path, key: bytes) -> Path:
+        """Where a block's file lives in a tier's directory."""
         name = key.hex()
-        return self.directory / "blocks" / name[:2] / f"{name}.safetensors"
+        return directory / "blocks" / name[:2] / f"{name}.safetensors"
+
+    def path(self, key: bytes) -> Path:
+        return self.path_in(self.directory, key)
 
     def has(self, key: bytes) -> bool:
         with self._lock:

@@ -75,6 +75,8 @@ log = logging.getLogger("flow.prefix_cache")
 # for token positions [start, end) of one sequence, each shaped [1, heads, end - start, dim];
 # None for a sliding-window layer that no longer holds those positions.
 Slicer = Callable[[int, int], list[mx.array | None]]
+MAX_SESSIONS = 4096  # named sessions whose state is remembered
+SESSIONS_SHOWN = 32  # the most recently used ones in ``stats_json``
 # Per layer: None for a full KV cache, the window for a sliding-window (rotating) one.
 Windows = tuple[int | None, ...]
 
@@ -337,6 +339,9 @@ class PrefixCache:
                 turns = state.turns + 1 if state is not None else 1
                 self.sessions[session_id] = SessionState(namespace, keys[-1] if keys else None, len(tokens),
                                                          time.time(), turns)
+                if len(self.sessions) > MAX_SESSIONS:  # forget the longest idle ones (their blocks stay)
+                    for old in sorted(self.sessions, key=lambda k: self.sessions[k].last_access)[: MAX_SESSIONS // 8]:
+                        del self.sessions[old]
         self._evict()
         return len(added)
 
@@ -370,12 +375,13 @@ class PrefixCache:
         return "warm" if self.disk is not None and self.disk.has(key) else "cold"
 
     def session(self, session_id: str) -> dict[str, Any] | None:
+        """A session's cache state: where its latest turn's last block is, its size, turns, last use."""
         with self._lock:
             state = self.sessions.get(session_id)
         if state is None:
             return None
         return {"tier": self.tier_of(state.last_key), "tokens": state.tokens, "turns": state.turns,
-                "last_access": state.last_access}
+                "last_access": state.last_access, "last_block": state.last_key.hex() if state.last_key else None}
 
     def referenced(self) -> int:
         """Blocks some sequence still holds (zero when nothing is in flight)."""
@@ -396,6 +402,8 @@ class PrefixCache:
                 "referenced_blocks": sum(1 for b in self._blocks.values() if b.refs),
                 "sessions": len(self.sessions),
             }
+            recent = sorted(self.sessions, key=lambda k: self.sessions[k].last_access)[-SESSIONS_SHOWN:]
+        out["recent_sessions"] = {sid: self.session(sid) for sid in reversed(recent)}
         if self.disk is not None:
             disk = self.disk.stats()
             out["blocks"]["warm"] = disk["blocks"]

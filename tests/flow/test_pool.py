@@ -108,15 +108,22 @@ def _long_stream(server: RunningServer, model: str, tokens: int) -> tuple[int, f
     return received, time.monotonic()
 
 
+def _overlapping(server: RunningServer, threads: concurrent.futures.Executor, tokens: int
+                 ) -> concurrent.futures.Future[tuple[int, float]]:
+    """A long stream from model "a", returned once its sequence is decoding."""
+    running = threads.submit(_long_stream, server, "a", tokens)
+    while server.server.models[0].require().engine.active == 0:
+        time.sleep(0.01)
+    return running
+
+
 def test_eviction_waits_for_in_flight_requests(tiny_qwen3: Path, tiny_llama: Path) -> None:
     """A model with a sequence running is never evicted: a load that needs its room waits (or, past
     ``wait_seconds``, is answered 429/529 with retry-after), and the running stream completes."""
     models = {"a": (tiny_qwen3, {}), "b": (tiny_llama, {"load": "lazy"})}
     with pool_server(models, max_loaded=1, grace_seconds=0.1, wait_seconds=0.5) as server:
         with concurrent.futures.ThreadPoolExecutor(1) as threads:
-            running = threads.submit(_long_stream, server, "a", 3000)
-            while server.server.models[0].require().engine.active == 0:
-                time.sleep(0.01)
+            running = _overlapping(server, threads, 3000)
             refused = ask(server, "b")
             anthropic_refused = httpx.post(server.base_url + "/v1/messages", timeout=60, json={
                 "model": "b", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
@@ -131,9 +138,7 @@ def test_eviction_waits_for_in_flight_requests(tiny_qwen3: Path, tiny_llama: Pat
 
     with pool_server(models, max_loaded=1, grace_seconds=0.1, wait_seconds=120) as server:
         with concurrent.futures.ThreadPoolExecutor(1) as threads:
-            running = threads.submit(_long_stream, server, "a", 1500)
-            while server.server.models[0].require().engine.active == 0:
-                time.sleep(0.01)
+            running = _overlapping(server, threads, 1500)
             waited = ask(server, "b")
             b_done = time.monotonic()
             tokens, a_done = running.result()

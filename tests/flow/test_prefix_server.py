@@ -106,6 +106,8 @@ def test_sessions_share_the_system_prompt_across_protocols(server: RunningServer
     assert response.usage.prompt_tokens_details.cached_tokens >= len(SYSTEM) // 8 // BLOCK * BLOCK > 0
     after = prefix_stats(server)
     assert after["hits"] == before["hits"] + 1 and after["sessions"] >= 1
+    session = after["recent_sessions"]["fresh-session"]
+    assert session["tier"] == "hot" and session["turns"] == 1 and session["tokens"] > response.usage.prompt_tokens
     assert after["referenced_blocks"] == 0 and after["blocks"]["hot"] > 0 and 0 < after["hit_rate"] <= 1
     metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
     assert 'flow_prefix_cache_blocks{resource="prefix_cache",tier="hot"}' in metrics

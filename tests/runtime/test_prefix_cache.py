@@ -161,12 +161,19 @@ def disk_cache(directory: Path, **config: Any) -> PrefixCache:
     return PrefixCache(PrefixConfig(block_tokens=BLOCK, **config), DiskTier(directory, 1 << 30))
 
 
+async def on_disk(loaded: Loaded, rigs: list[Rig], directory: Path, prompt: list[int], max_tokens: int = 12
+                  ) -> list[int]:
+    """Run ``prompt`` on a cache with a disk tier in ``directory``, then close it (as a process that ends)."""
+    cache = disk_cache(directory)
+    answer, _ = await rig(rigs, loaded, cache).run(prompt, max_tokens)
+    assert cache.disk is not None
+    cache.disk.close()
+    return answer
+
+
 async def test_disk_tier_survives_a_restart(qwen3: Loaded, rigs: list[Rig], tmp_path: Path) -> None:
     prompt = conversation(qwen3, "Where is the lamp?")
-    first = disk_cache(tmp_path)
-    await rig(rigs, qwen3, first).run(prompt)
-    assert first.disk is not None
-    first.disk.close()
+    await on_disk(qwen3, rigs, tmp_path, prompt)
     # A new process: an empty memory tier over the same directory.
     second = disk_cache(tmp_path)
     _, cached = await rig(rigs, qwen3, second).run(prompt)
@@ -183,19 +190,16 @@ async def test_disk_tier_survives_a_restart(qwen3: Loaded, rigs: list[Rig], tmp_
 
 async def test_damaged_disk_blocks_are_never_served(qwen3: Loaded, rigs: list[Rig], tmp_path: Path) -> None:
     prompt = conversation(qwen3, "Where is the lamp?")
-    first = disk_cache(tmp_path)
-    await rig(rigs, qwen3, first).run(prompt)
-    assert first.disk is not None
-    first.disk.close()
+    await on_disk(qwen3, rigs, tmp_path, prompt)
     files = sorted((tmp_path / "blocks").rglob("*.safetensors"))
     assert len(files) >= 4
     # Restart order is the chain order only by chance: damage blocks by position in the prompt's chain.
     from runtime.prefix_cache import chain_keys
 
     keys = chain_keys(namespace_of(qwen3.name), prompt, (len(prompt) - 1) // BLOCK, BLOCK)
-    truncated = first.disk.path(keys[3])
+    truncated = DiskTier.path_in(tmp_path, keys[3])
     truncated.write_bytes(truncated.read_bytes()[:100])  # caught on start (size)
-    flipped = first.disk.path(keys[1])
+    flipped = DiskTier.path_in(tmp_path, keys[1])
     data = bytearray(flipped.read_bytes())
     data[-5] ^= 0xFF
     flipped.write_bytes(bytes(data))  # same size: caught on read (checksum)
@@ -259,10 +263,7 @@ async def test_sliding_window_blocks_survive_a_restart(gemma: Loaded, rigs: list
     """Partial blocks (an answer longer than the window lacks the sliding layer's early positions) go to
     disk and come back as they were."""
     first = conversation(gemma, "Where is the lamp?")
-    cache = disk_cache(tmp_path)
-    answer, _ = await rig(rigs, gemma, cache).run(first, 48)
-    assert cache.disk is not None
-    cache.disk.close()
+    answer = await on_disk(gemma, rigs, tmp_path, first, 48)
     restarted = disk_cache(tmp_path)
     follow = conversation(gemma, "Where is the lamp?", gemma.tokenizer.decode(answer), "And the keeper?")
     _, cached = await rig(rigs, gemma, restarted).run(follow, 12)
