@@ -129,7 +129,10 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
         from mlx.utils import tree_flatten
         from mlx_lm.utils import load
 
+        from runtime.detokenizers import use_exact_detokenizer
+
         loaded = load(str(path))
+        use_exact_detokenizer(loaded[1])
         nbytes = sum(v.nbytes for _, v in tree_flatten(loaded[0].parameters()))
         return loaded[0], loaded[1], nbytes
 

@@ -129,3 +129,27 @@ def test_a_restarted_server_resumes_from_disk(tiny_qwen3: Path, tmp_path: Path) 
     assert warm.usage.prompt_tokens_details.cached_tokens == reusable(warm.usage.prompt_tokens) > 0
     assert warm.choices[0].message.content == cold.choices[0].message.content
     assert stats["disk_reads"] == reusable(warm.usage.prompt_tokens) // BLOCK and stats["disk"]["corrupt"] == 0
+
+
+
+def test_the_next_turn_reuses_the_answer(server: RunningServer, tiny_qwen3: Path) -> None:
+    """An agent sends the answer back as text. The text is exactly what the model generated, a leading
+    space included, so it tokenizes back to the generated ids and the next turn reads the answer's blocks
+    from the cache instead of prefilling them again. (A logit bias makes the random model answer
+    " the the …": a word that starts with a space and is one token.)"""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    [the] = load_tokenizer(tiny_qwen3).encode(" the", add_special_tokens=False)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What of the fog?"}]
+    for _ in range(3):
+        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                logit_bias={str(the): 100})
+        assert answer.usage is not None and answer.choices[0].message.content == " the" * 20
+        messages += [{"role": "assistant", "content": " the" * 20}, {"role": "user", "content": "And then?"}]
+        nxt = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0)
+        assert nxt.usage is not None and nxt.usage.prompt_tokens_details is not None
+        # Cached: the previous prompt and the whole answer (the engine hands a token out in the step that
+        # feeds it to the model), in full blocks.
+        held = answer.usage.prompt_tokens + answer.usage.completion_tokens
+        assert nxt.usage.prompt_tokens_details.cached_tokens == held // BLOCK * BLOCK
