@@ -100,7 +100,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from runtime.device import DeviceThread
-from runtime.prefix_cache import PrefixCache, PrefixHit, Slicer, layer_windows
+from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 
 log = logging.getLogger("flow.engine")
@@ -169,6 +169,7 @@ class _Sequence:
     sampler: SequenceSampler
     policy: CachePolicy = CachePolicy()
     hit: PrefixHit | None = None  # prefix-cache blocks to build ``cache`` from, until it is built
+    keys: BlockKeys | None = None  # its block keys, extended by each store
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
     prefilled: int = 0  # prompt tokens in ``cache`` (or in ``hit``)
     fed: list[int] = field(default_factory=list)  # generated tokens that went back in as inputs
@@ -358,7 +359,8 @@ class Engine:
         handle = SequenceHandle(self, next(self._ids), send, receive)
         seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
                         max_tokens=max_tokens, stop_ids=stop_ids, sampler=SequenceSampler(sampling),
-                        policy=policy, hit=prefix, prefilled=cached_tokens)
+                        policy=policy, hit=prefix, prefilled=cached_tokens,
+                        keys=prefix.keys if prefix is not None else None)
         handle.cached_tokens = cached_tokens
         if self.prefix is not None:
             b = self.prefix.config.block_tokens
@@ -786,9 +788,12 @@ class Engine:
         if self.prefix is None:
             return
         last = tokens is not None or seq.policy.mode == "prefix"
+        if seq.keys is None:
+            seq.keys = BlockKeys(self.namespace, self.prefix.config.block_tokens)
         try:
             self.prefix.store(self.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
-                              ttl=seq.policy.ttl_seconds, session_id=seq.policy.session_id if last else None)
+                              ttl=seq.policy.ttl_seconds, session_id=seq.policy.session_id if last else None,
+                              keys=seq.keys)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")
 

@@ -110,6 +110,7 @@ class PrefixHit:
     windows: Windows
     blocks: list[Block] = field(default_factory=list)
     block_tokens: int = 0
+    keys: BlockKeys | None = None  # the prompt's block keys, for the sequence's own stores
 
     @property
     def tokens(self) -> int:
@@ -179,13 +180,27 @@ def namespace_of(identity: str) -> bytes:
 
 def chain_keys(namespace: bytes, tokens: Sequence[int], blocks: int, block_tokens: int) -> list[bytes]:
     """The keys of the first ``blocks`` full blocks of ``tokens``."""
-    keys: list[bytes] = []
-    previous = namespace
-    for i in range(blocks):
-        chunk = np.asarray(tokens[i * block_tokens : (i + 1) * block_tokens], dtype=np.uint32).tobytes()
-        previous = hashlib.sha256(previous + chunk).digest()[:20]
-        keys.append(previous)
-    return keys
+    return BlockKeys(namespace, block_tokens).upto(tokens, blocks)
+
+
+class BlockKeys:
+    """The chained keys of one growing token sequence (a prompt, then prompt and answer), each block
+    hashed once however often the sequence is stored (after every prefill chunk, at its finish)."""
+
+    def __init__(self, namespace: bytes, block_tokens: int) -> None:
+        self.namespace = namespace
+        self.block_tokens = block_tokens
+        self.keys: list[bytes] = []
+
+    def upto(self, tokens: Sequence[int], blocks: int) -> list[bytes]:
+        """The keys of the first ``blocks`` blocks of ``tokens``, which extend the tokens seen before."""
+        b = self.block_tokens
+        previous = self.keys[-1] if self.keys else self.namespace
+        for i in range(len(self.keys), blocks):
+            chunk = np.asarray(tokens[i * b : (i + 1) * b], dtype=np.uint32).tobytes()
+            previous = hashlib.sha256(previous + chunk).digest()[:20]
+            self.keys.append(previous)
+        return self.keys[:blocks]
 
 
 def _to_host(arrays: list[mx.array | None]) -> HostBlock:
@@ -220,8 +235,9 @@ class PrefixCache:
               ) -> PrefixHit:
         """The longest cached prefix of ``tokens`` that leaves at least the last token to compute."""
         b = self.config.block_tokens
-        keys = chain_keys(namespace, tokens, (len(tokens) - 1) // b, b)
-        hit = PrefixHit(namespace, windows, block_tokens=b)
+        chain = BlockKeys(namespace, b)
+        keys = chain.upto(tokens, (len(tokens) - 1) // b)
+        hit = PrefixHit(namespace, windows, block_tokens=b, keys=chain)
         expires = self._expiry(ttl)
         with self._lock:
             self.stats.lookups += 1
@@ -307,10 +323,14 @@ class PrefixCache:
         return cache
 
     def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, ttl: float | None = None,
-              session_id: str | None = None) -> int:
-        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added."""
+              session_id: str | None = None, keys: BlockKeys | None = None) -> int:
+        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added.
+
+        ``keys``: the sequence's key chain from its earlier stores (or its match), extended here.
+        """
         b = self.config.block_tokens
-        keys = chain_keys(namespace, tokens, len(tokens) // b, b)
+        chain = keys if keys is not None and keys.namespace == namespace else BlockKeys(namespace, b)
+        keys = chain.upto(tokens, len(tokens) // b)
         expires = self._expiry(ttl)
         persist = self.disk is not None and ttl != 0
         added: list[Block] = []

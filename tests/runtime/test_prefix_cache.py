@@ -320,3 +320,28 @@ async def test_sessions_report_their_tier(qwen3: Loaded, rigs: list[Rig], tmp_pa
     assert state is not None and state["tier"] == "warm"
     assert cache.session("nobody") is None
     cache.disk.close()
+
+
+def test_block_keys_extend_a_growing_sequence_without_rehashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence stores after every prefill chunk and at its finish: each block is hashed once, and the
+    keys equal those of a chain computed in one go."""
+    import hashlib
+
+    from runtime.prefix_cache import BlockKeys, chain_keys
+
+    tokens = list(range(1000, 1300))
+    namespace = namespace_of("some model")
+    calls = 0
+    real = hashlib.sha256
+
+    def counting(data: bytes) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(data)
+
+    chain = BlockKeys(namespace, BLOCK)
+    monkeypatch.setattr(hashlib, "sha256", counting)
+    for end in (40, 41, 100, 100, 300):  # prefill chunks, then prompt and answer
+        assert chain.upto(tokens[:end], end // BLOCK) == chain_keys(namespace, tokens, end // BLOCK, BLOCK)
+    calls_for_chain = calls - sum(end // BLOCK for end in (40, 41, 100, 100, 300))  # minus the references
+    assert calls_for_chain == 300 // BLOCK
