@@ -29,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import struct
 import sys
-import os
 import queue
 import sqlite3
 import threading
@@ -41,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
 log = logging.getLogger("flow.kv_disk")
@@ -70,6 +70,33 @@ class DiskEntry:
     dtype: str
     expires: float
     last_access: float
+
+
+# The safetensors dtypes a block file may hold (bfloat16 goes in as uint16).
+_DTYPES = {"F32": np.float32, "F16": np.float16, "U16": np.uint16}
+
+
+def _parse_block(data: bytes) -> tuple[np.ndarray | None, ...]:
+    """A block file's arrays as read-only views into ``data`` (safetensors layout: an 8-byte header size,
+    a JSON header of dtype, shape and byte range per tensor, the raw bytes). ``safetensors.numpy.load``
+    copies every tensor; the device copy follows anyway, so views halve a restart's read time."""
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    base = 8 + size
+    arrays: list[np.ndarray | None] = []
+    for i in range(int(header["__metadata__"]["count"])):
+        spec = header.get(f"{i}")
+        if spec is None:
+            arrays.append(None)
+            continue
+        dtype = np.dtype(_DTYPES[spec["dtype"]])
+        start, end = spec["data_offsets"]
+        shape = tuple(int(n) for n in spec["shape"])
+        count = math.prod(shape)
+        if end - start != dtype.itemsize * count or base + end > len(data):
+            raise ValueError(f"tensor {i}: byte range {start}..{end} does not fit shape {shape}")
+        arrays.append(np.frombuffer(data, dtype, count, base + start).reshape(shape))
+    return tuple(arrays)
 
 
 @dataclass(frozen=True)
@@ -142,10 +169,7 @@ class DiskTier:
             self._corrupt(key, f"size {len(data)} / checksum mismatch")
             return None
         try:
-            tensors = load_safetensors(data)
-            (size,) = struct.unpack("<Q", data[:8])
-            count = int(json.loads(data[8 : 8 + size])["__metadata__"]["count"])
-            arrays = tuple(tensors.get(f"{i}") for i in range(count))
+            arrays = _parse_block(data)
         except Exception as exc:  # a file that passed the checksum but does not parse: still never serve it
             self._corrupt(key, f"{type(exc).__name__}: {exc}")
             return None

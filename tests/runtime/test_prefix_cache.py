@@ -345,3 +345,21 @@ def test_block_keys_extend_a_growing_sequence_without_rehashing(monkeypatch: pyt
         assert chain.upto(tokens[:end], end // BLOCK) == chain_keys(namespace, tokens, end // BLOCK, BLOCK)
     calls_for_chain = calls - sum(end // BLOCK for end in (40, 41, 100, 100, 300))  # minus the references
     assert calls_for_chain == 300 // BLOCK
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_disk_blocks_round_trip_every_dtype_and_missing_layers(tmp_path: Path, dtype: Any) -> None:
+    """A block file gives back exactly the arrays written: each KV dtype (bfloat16 goes through uint16),
+    and the gaps of sliding-window layers that no longer held the block's positions."""
+    from runtime.prefix_cache import _to_device, _to_host
+
+    arrays = [mx.random.normal((1, 2, 16, 8)).astype(dtype), None, mx.arange(256).reshape(1, 2, 16, 8).astype(dtype)]
+    disk = DiskTier(tmp_path, 1 << 30)
+    disk.write(b"k" * 20, None, b"n" * 16, _to_host(arrays), time.time() + 60)
+    disk.flush()
+    back = _to_device(disk.read(b"k" * 20))  # type: ignore[arg-type]
+    disk.close()
+    assert back[1] is None
+    for got, want in ((back[0], arrays[0]), (back[2], arrays[2])):
+        assert got is not None and want is not None
+        assert got.dtype == dtype and got.shape == want.shape and mx.array_equal(got, want).item()
