@@ -114,6 +114,7 @@ class AgentStore:
         self.models: ModelSet | None = None
         self._lock = threading.Lock()  # stages call in from worker threads
         self._dbs: dict[bool, sqlite3.Connection] = {}  # persist → its database
+        self._turns: dict[str, str] = {}  # agent id → the request answering its current turn
 
     # ------------------------------------------------------------------ resource protocol
     def bind(self, resources: Mapping[str, Any]) -> None:
@@ -231,6 +232,26 @@ class AgentStore:
                            (context_tokens, time.time(), json.dumps(kv, sort_keys=True), agent_id))
                 return True
         return False
+
+    def begin_turn(self, agent_id: str, request_id: str) -> None:
+        """Mark the agent as answering a turn: a turn builds on the history the one before it leaves, so a
+        second one while the first runs is a 409 (as a thread with an active run is in the Assistants API)."""
+        with self._lock:
+            running = self._turns.get(agent_id)
+            if running is not None:
+                raise ApiError("conflict", f"Agent '{agent_id}' is still answering a turn (request {running}); "
+                               "send the next turn when that one has finished.", param="agent_id",
+                               code="agent_busy")
+            self._turns[agent_id] = request_id
+
+    def end_turn(self, agent_id: str, request_id: str) -> None:
+        with self._lock:
+            if self._turns.get(agent_id) == request_id:
+                del self._turns[agent_id]
+
+    def busy(self, agent_id: str) -> bool:
+        with self._lock:
+            return agent_id in self._turns
 
     def status(self, agent: Agent) -> str:
         """Where the KV of the agent's conversation on its current model is: hot, warm or cold."""

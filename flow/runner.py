@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from flow.compiler import CompiledGraph, Route
-from flow.stage import EdgeStats, Outbox, Stage
+from flow.stage import EdgeStats, Outbox, Stage, request_lifetime
 from protocols.ir import HttpRequest, WireFrame
 
 
@@ -50,9 +50,10 @@ class RouteRunner:
         entry_send.send_nowait(request)
         for send, _ in inboxes.values():
             send.close()  # only the clones held by producers stay open
-        async with trio.open_nursery() as nursery:
-            for sid in route.stages:
-                nursery.start_soon(self._run_stage, sid, inboxes[sid][1], outboxes[sid], name=f"stage:{sid}")
+        with request_lifetime():
+            async with trio.open_nursery() as nursery:
+                for sid in route.stages:
+                    nursery.start_soon(self._run_stage, sid, inboxes[sid][1], outboxes[sid], name=f"stage:{sid}")
 
     async def _run_stage(self, sid: str, inbox: trio.MemoryReceiveChannel[Any], outbox: Outbox[Any]) -> None:
         async with inbox:

@@ -12,12 +12,17 @@ request's path, in its own task, and must keep per-request state in locals.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 import trio
 from pydantic import BaseModel, ConfigDict
+
+log = logging.getLogger("flow.stage")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -36,6 +41,36 @@ class EdgeStats:
     items: int = 0  # items sent along the edge
     full: int = 0  # sends that found the consumer's inbox full: the consumer is the bottleneck
     streams: int = 0  # requests that used the edge
+
+
+# The callbacks to run when the current request ends; set by the route runner, inherited by
+# every stage task of the request (and the worker threads they start).
+_REQUEST_END: ContextVar[list[Callable[[], None]] | None] = ContextVar("flow_request_end", default=None)
+
+
+def on_request_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current request ends, however it ends: answered, failed, cancelled, or
+    its client gone. For what a stage holds for the request's whole life (an agent's turn)."""
+    callbacks = _REQUEST_END.get()
+    if callbacks is None:
+        raise RuntimeError("on_request_end() is for stages running a request")
+    callbacks.append(callback)
+
+
+@contextmanager
+def request_lifetime() -> Iterator[None]:
+    """The scope of one request: callbacks registered inside run at its exit, last first."""
+    callbacks: list[Callable[[], None]] = []
+    token = _REQUEST_END.set(callbacks)
+    try:
+        yield
+    finally:
+        _REQUEST_END.reset(token)
+        for callback in reversed(callbacks):
+            try:
+                callback()
+            except Exception:  # one failing release must not skip the others, nor fail the request
+                log.exception("request-end callback failed")
 
 
 class Outbox(Generic[Out]):

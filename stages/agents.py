@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flow.agent_store import AGENT_ID, AGENT_ID_RULE, Agent, AgentStore, session_id
 from flow.registry import register_stage
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, on_request_end
 from protocols import openai_chat
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, WireFrame
@@ -89,7 +89,7 @@ class AgentGenerateBody(openai_chat.ChatCompletionBody):
     model: str | None = Field(default=None, min_length=1)  # type: ignore[assignment]
 
 
-def agent_json(agent: Agent, status: str, overflow: ContextOverflow) -> dict[str, Any]:
+def agent_json(agent: Agent, status: str, overflow: ContextOverflow, busy: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": agent.id,
         "object": "agent",
@@ -99,6 +99,7 @@ def agent_json(agent: Agent, status: str, overflow: ContextOverflow) -> dict[str
         "context_overflow": overflow,
         "persist": agent.persist,
         "status": status,
+        "busy": busy,  # answering a turn now
         "context_tokens": agent.context_tokens,
         "messages": agent.messages,
         "created_at": int(agent.created),
@@ -139,7 +140,7 @@ class AgentsManage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, Wi
             await outbox.send(json_frame(await trio.to_thread.run_sync(self.answer, http)))
 
     def _json(self, agent: Agent) -> dict[str, Any]:
-        return agent_json(agent, self.store.status(agent), self.store.overflow(agent))
+        return agent_json(agent, self.store.status(agent), self.store.overflow(agent), self.store.busy(agent.id))
 
     def answer(self, http: HttpRequest) -> dict[str, Any]:
         agent_id = dict(http.params).get("agent_id")
@@ -208,6 +209,8 @@ class AgentsGenerateDecode(ProtocolDecode):
         body = parse_json_body(AgentGenerateBody, http.body)
         model = agent.model if body.model is None else self.store.model_name(body.model)
         request = openai_chat.decode_chat_body(body.model_copy(update={"model": model}), http.request_id, created)
+        self.store.begin_turn(agent.id, http.request_id)  # one turn at a time, until this request ends
+        on_request_end(lambda: self.store.end_turn(agent.id, http.request_id))
         system = (Message("system", agent.system_prompt),) if agent.system_prompt else ()
         history = tuple(Message.from_template(m) for m in agent.history or ())
         return replace(

@@ -350,3 +350,35 @@ def test_drop_oldest_keeps_a_long_conversation_going(server: RunningServer) -> N
     assert error["code"] == "context_length_exceeded"
     assert get(server, "long")["messages"] == 16
     assert server.health()["status"] == "ok"
+
+
+def test_one_turn_at_a_time_and_a_client_that_leaves_frees_the_agent(server: RunningServer,
+                                                                      tiny_qwen3: Path) -> None:
+    """A turn builds on the history the one before leaves: a second turn while the first streams is a 409
+    ``agent_busy``; the agent is free as soon as the first request ends, also when its client just leaves
+    (and the cancelled turn is not in the history)."""
+    import time
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    [the] = load_tokenizer(tiny_qwen3).encode(" the", add_special_tokens=False)
+    create(server, id="busy", system_prompt=SYSTEM)
+    endless = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 3000,
+               "temperature": 0, "stream": True, "logit_bias": {str(the): 100}}  # never a stop token
+    with httpx.stream("POST", f"{server.url}/agents/busy/generate", json=endless, timeout=120) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # the turn is under way
+        second = api(server, "POST", "/agents/busy/generate",
+                     {"messages": [{"role": "user", "content": "Me too!"}], "max_tokens": 4})
+        assert assert_openai_error(second, 409, "agent_id", "busy", "still answering")["code"] == "agent_busy"
+        assert get(server, "busy")["busy"] is True
+    # The client left mid-stream: the server cancels the turn and frees the agent.
+    deadline = time.monotonic() + 30
+    while get(server, "busy")["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agent = get(server, "busy")
+    assert agent["busy"] is False and agent["messages"] == 0 and agent["history"] == []
+    generate(server, "busy", "Now a short one.")
+    after = get(server, "busy")
+    assert after["busy"] is False and after["messages"] == 2
