@@ -143,13 +143,15 @@ def summarize(results: list[RequestResult]) -> dict[str, Any]:
     return out
 
 
-async def arrival_test(url: str, model: str, max_tokens: int, background: int = 8) -> dict[str, Any]:
-    """TTFT of a request arriving while ``background`` streams decode, against its idle TTFT."""
+async def arrival_test(url: str, model: str, max_tokens: int, background: int = 8, probes: int = 7
+                       ) -> dict[str, Any]:
+    """TTFT of a request arriving while ``background`` streams decode, against its idle TTFT (medians of
+    ``probes`` requests each: on a tiny model both are a few milliseconds, and single probes scatter)."""
     probe_text = prompt_text(10_000)
     limits = httpx.Limits(max_connections=background + 8, max_keepalive_connections=background + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         idle = []
-        for _ in range(3):
+        for _ in range(probes):
             r = await stream_one(client, url, model, probe_text, 4)
             if r.ok and r.first:
                 idle.append((r.first - r.start) * 1000)
@@ -167,7 +169,7 @@ async def arrival_test(url: str, model: str, max_tokens: int, background: int = 
 
         async def bg(i: int) -> None:
             nonlocal failed, finished_early
-            r = await stream_one(client, url, model, prompt_text(20_000 + i), max(256, 4 * max_tokens), on_first)
+            r = await stream_one(client, url, model, prompt_text(20_000 + i), max(1024, 8 * max_tokens), on_first)
             if r.ok:
                 finished_early += 1
             else:
@@ -181,11 +183,11 @@ async def arrival_test(url: str, model: str, max_tokens: int, background: int = 
             with trio.move_on_after(300):
                 await all_decoding.wait()
             await trio.sleep(0.5)  # well into decoding
-            for _ in range(3):
+            for _ in range(probes):
                 probe = await stream_one(client, url, model, probe_text, 4)
                 if probe.ok and probe.first and not finished_early:
                     busy.append((probe.first - probe.start) * 1000)
-                await trio.sleep(0.2)
+                await trio.sleep(0.1)
             nursery.cancel_scope.cancel()  # drop the background streams (the client goes away)
     out: dict[str, Any] = {"idle_ttft_ms": round(statistics.median(idle), 1) if idle else None,
                            "busy_ttft_ms": round(statistics.median(busy), 1) if busy else None,
