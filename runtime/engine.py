@@ -792,8 +792,8 @@ class Engine:
             seq.keys = BlockKeys(self.namespace, self.prefix.config.block_tokens)
         try:
             self.prefix.store(self.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
-                              ttl=seq.policy.ttl_seconds, session_id=seq.policy.session_id if last else None,
-                              keys=seq.keys)
+                              windows=self.windows, ttl=seq.policy.ttl_seconds,
+                              session_id=seq.policy.session_id if last else None, keys=seq.keys)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")
 

@@ -12,6 +12,15 @@ engine prefills the prompt from there. An exact repeat, the next turn of a
 conversation and a system prompt shared by several sessions are all the same
 case: a longest cached prefix.
 
+A sequence rarely ends on a block boundary. Its *tail* — the tokens after its
+last full block, fewer than a block — is kept too, in memory only, keyed by a
+hash over that last block's key and the tail's tokens. A match that has walked
+the full blocks tries the tails that would continue it, longest first, so the
+next turn of a conversation (whose prompt repeats the previous answer, then
+adds to it) reuses every token of the previous turn, not just its full blocks;
+an exact repeat reuses all of its prompt but the last token. Sliding-window
+models keep whole blocks only (their layers need blocks aligned to positions).
+
 A block holds every layer's keys and values for its tokens, copied out of a
 sequence's cache on the device thread: after the prompt's prefill (so a
 concurrent session with the same system prompt can reuse it at once), and when
@@ -97,6 +106,7 @@ class Block:
     nbytes: int
     expires: float
     persist: bool  # written to the disk tier
+    length: int  # tokens: ``block_tokens``, fewer for a tail
     arrays: list[mx.array | None] | None = None  # on the device: hot (None entries: see Slicer)
     host: HostBlock | None = None  # read back from disk, not yet on the device
     refs: int = 0
@@ -114,7 +124,7 @@ class PrefixHit:
 
     @property
     def tokens(self) -> int:
-        return len(self.blocks) * self.block_tokens
+        return sum(block.length for block in self.blocks)
 
 
 @dataclass
@@ -130,10 +140,11 @@ class SessionState:
 class PrefixStats:
     lookups: int = 0
     hits: int = 0  # lookups that reused at least one block
-    lookup_tokens: int = 0  # tokens of the prompts looked up (blockable part)
+    lookup_tokens: int = 0  # tokens of the prompts looked up that could be reused (all but the last)
     reused_tokens: int = 0
     disk_reads: int = 0  # blocks brought back from disk
     stored_blocks: int = 0
+    stored_tails: int = 0  # partial blocks: the ends of sequences, memory only
     evictions: int = 0  # hot blocks pushed out of memory (to disk, or gone)
     expired: int = 0
 
@@ -176,6 +187,16 @@ def _has_layer(block: Block, layer: int) -> bool:
 
 def namespace_of(identity: str) -> bytes:
     return hashlib.sha256(identity.encode()).digest()[:16]
+
+
+def tail_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A tail's key: the tokens after the last full block (fewer than a block), under that block's key."""
+    return hashlib.sha256(b"tail" + parent + np.asarray(tokens, dtype=np.uint32).tobytes()).digest()[:20]
+
+
+def _full_layers_only(windows: Windows) -> bool:
+    """Tails need every layer to hold every position (a sliding-window layer keeps whole blocks only)."""
+    return bool(windows) and all(w is None for w in windows)
 
 
 def chain_keys(namespace: bytes, tokens: Sequence[int], blocks: int, block_tokens: int) -> list[bytes]:
@@ -241,7 +262,7 @@ class PrefixCache:
         expires = self._expiry(ttl)
         with self._lock:
             self.stats.lookups += 1
-            self.stats.lookup_tokens += len(keys) * b
+            self.stats.lookup_tokens += len(tokens) - 1
         for key in keys:
             with self._lock:
                 block = self._blocks.get(key)
@@ -256,7 +277,8 @@ class PrefixCache:
                 block = self._blocks.get(key)  # read back meanwhile by another match?
                 if block is None:
                     parent = hit.blocks[-1].key if hit.blocks else None
-                    block = Block(key, parent, namespace, _nbytes(host.arrays), expires, persist=True, host=host)
+                    block = Block(key, parent, namespace, _nbytes(host.arrays), expires, persist=True, length=b,
+                                  host=host)
                     self._blocks[key] = block
                     self.stats.disk_reads += 1
                 block.refs += 1
@@ -266,6 +288,8 @@ class PrefixCache:
             unused = PrefixHit(namespace, windows, hit.blocks[depth:], b)
             hit.blocks = hit.blocks[:depth]
             self.release(unused)
+        if _full_layers_only(windows):
+            self._match_tail(namespace, tokens, hit)
         with self._lock:
             for block in reversed(hit.blocks):  # deepest first: parents end up the most recently used
                 block.expires = max(block.expires, expires)
@@ -279,6 +303,22 @@ class PrefixCache:
                 if block.persist:
                     self.disk.touch(block.key, block.expires)
         return hit
+
+    def _match_tail(self, namespace: bytes, tokens: Sequence[int], hit: PrefixHit) -> None:
+        """Extend a hit by the longest tail (in memory) that continues it: the end of an earlier sequence
+        that did not fill a block, e.g. the previous turn's answer, which the next turn's prompt repeats."""
+        b = hit.block_tokens
+        start = len(hit.blocks) * b
+        parent = hit.blocks[-1].key if hit.blocks else namespace
+        longest = min(b - 1, len(tokens) - 1 - start)  # leave the last token to compute
+        keys = [tail_key(parent, tokens[start : start + n]) for n in range(longest, 0, -1)]
+        with self._lock:
+            for key in keys:
+                tail = self._blocks.get(key)
+                if tail is not None:
+                    tail.refs += 1
+                    hit.blocks.append(tail)
+                    return
 
     def release(self, hit: PrefixHit) -> None:
         """Drop a hit's references (its sequence left, or its cache is built)."""
@@ -322,9 +362,10 @@ class PrefixCache:
         self._evict()
         return cache
 
-    def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, ttl: float | None = None,
-              session_id: str | None = None, keys: BlockKeys | None = None) -> int:
-        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added.
+    def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, windows: Windows = (),
+              ttl: float | None = None, session_id: str | None = None, keys: BlockKeys | None = None) -> int:
+        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks, and, on a model
+        whose ``windows`` are all full layers, the tail after them in memory; how many blocks it added.
 
         ``keys``: the sequence's key chain from its earlier stores (or its match), extended here.
         """
@@ -342,9 +383,21 @@ class PrefixCache:
                     known.expires = max(known.expires, expires)
             if known is None and not (self.disk is not None and self.disk.has(key)):
                 arrays = [None if a is None else mx.contiguous(a) for a in slicer(i * b, (i + 1) * b)]
-                block = Block(key, parent, namespace, _nbytes(arrays), expires, persist, arrays)
+                block = Block(key, parent, namespace, _nbytes(arrays), expires, persist, b, arrays)
                 added.append(block)
             parent = key
+        start = len(keys) * b
+        if start < len(tokens) and _full_layers_only(windows):
+            # Memory only: a tail is worth keeping for the next turn, not across a restart.
+            key = tail_key(parent or namespace, tokens[start:])
+            with self._lock:
+                known = self._blocks.get(key)
+                if known is not None:
+                    known.expires = max(known.expires, expires)
+            if known is None:
+                arrays = [None if a is None else mx.contiguous(a) for a in slicer(start, len(tokens))]
+                added.append(Block(key, parent, namespace, _nbytes(arrays), expires, False, len(tokens) - start,
+                                   arrays))
         if added:
             mx.eval([a for block in added for a in block.arrays or [] if a is not None])
             for block in added:
@@ -352,7 +405,8 @@ class PrefixCache:
                 if block.persist and self.disk is not None:
                     self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or []), block.expires)
             with self._lock:
-                self.stats.stored_blocks += len(added)
+                self.stats.stored_blocks += sum(1 for block in added if block.length == b)
+                self.stats.stored_tails += sum(1 for block in added if block.length < b)
         if session_id is not None:
             with self._lock:
                 state = self.sessions.get(session_id)
@@ -415,7 +469,8 @@ class PrefixCache:
                 "block_tokens": self.config.block_tokens,
                 "lookups": s.lookups, "hits": s.hits,
                 "hit_rate": round(s.reused_tokens / s.lookup_tokens, 4) if s.lookup_tokens else 0.0,
-                "reused_tokens": s.reused_tokens, "stored_blocks": s.stored_blocks, "disk_reads": s.disk_reads,
+                "reused_tokens": s.reused_tokens, "stored_blocks": s.stored_blocks, "stored_tails": s.stored_tails,
+                "disk_reads": s.disk_reads,
                 "evictions": s.evictions, "expired": s.expired,
                 "blocks": {"hot": len(self._lru), "warm": 0},
                 "hot_bytes": self.hot_bytes, "hot_max_bytes": self.config.hot_bytes,

@@ -179,7 +179,9 @@ def test_turns_grow_the_history_and_reuse_the_kv_cache(server: RunningServer) ->
     # Same conversation through plain chat completions: the agent's prompt is system + history + new.
     second = generate(server, "keeper", "And the ships?")
     usage2 = second["usage"]
-    assert cached(usage2) > 0 and cached(usage2) % BLOCK == 0
+    # At least the first turn's prompt but its last token (the prompt's tail ends there); that token and the
+    # answer are cached after it, reusable as far as the random model's answer tokenizes back to its ids.
+    assert cached(usage2) >= usage1["prompt_tokens"] - 1
     assert usage2["prompt_tokens"] > usage1["prompt_tokens"]
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     plain = client.chat.completions.create(model="tiny", max_tokens=6, temperature=0, messages=[
@@ -210,7 +212,7 @@ def test_streamed_turns_report_cached_tokens(server: RunningServer) -> None:
     second, _ = generate_stream(server, "streamer", "Is the lamp lit?")
     u1, u2 = first[-1]["usage"], second[-1]["usage"]
     assert first[-1]["choices"] == [] and second[-1]["choices"] == []
-    assert cached(u2) > cached(u1) and cached(u2) % BLOCK == 0
+    assert cached(u2) > cached(u1) and cached(u2) >= u1["prompt_tokens"] - 1
     agent = get(server, "streamer")
     assert agent["context_tokens"] == u2["prompt_tokens"] + u2["completion_tokens"]
     assert agent["messages"] == 4 and agent["status"] == "hot"

@@ -98,13 +98,14 @@ async def test_repeat_extension_and_shared_prefix_are_reused_exactly(qwen3: Load
     first = conversation(qwen3, "Where is the lamp?")
     answer, cached = await r.run(first)
     assert cached == 0
-    # Exact repeat: everything but the last token's block comes from the cache.
+    # Exact repeat: every prompt token but the last comes from the cache (its full blocks, then its tail).
     _, cached = await r.run(first)
-    assert cached == (len(first) - 1) // BLOCK * BLOCK
-    # The conversation's next turn: the earlier prompt *and* the answer (cache_mode full) are reused.
+    assert cached == len(first) - 1
+    # The conversation's next turn: the earlier prompt, and the answer (cache_mode full) as far as its text
+    # tokenizes back to the generated ids (the random model's often does not).
     follow = conversation(qwen3, "Where is the lamp?", qwen3.tokenizer.decode(answer), "And the keeper?")
     _, cached = await r.run(follow)
-    assert cached > len(first) - BLOCK, (cached, len(first))
+    assert cached >= len(first) - 1, (cached, len(first))
     # Another session with the same system prompt reuses the system prompt's blocks.
     other = conversation(qwen3, "Tell me about boats.")
     common = next(i for i, (a, b) in enumerate(zip(first, other)) if a != b)
@@ -112,7 +113,8 @@ async def test_repeat_extension_and_shared_prefix_are_reused_exactly(qwen3: Load
     assert cached == common // BLOCK * BLOCK and cached > 0
     stats = r.cache.stats_json()
     assert stats["hits"] == 3 and stats["reused_tokens"] > 0 and 0 < stats["hit_rate"] < 1
-    assert stats["blocks"]["hot"] == stats["stored_blocks"] and stats["hot_bytes"] > 0
+    assert stats["blocks"]["hot"] == stats["stored_blocks"] + stats["stored_tails"] and stats["hot_bytes"] > 0
+    assert stats["stored_tails"] > 0
 
 
 async def test_prefix_mode_keeps_the_prompt_only(qwen3: Loaded, rigs: list[Rig]) -> None:
@@ -142,7 +144,7 @@ async def test_concurrent_grouped_prompts_share_and_store(qwen3: Loaded, rigs: l
     assert r.engine.stats.grouped_prefills >= 1
     for prompt in prompts:
         _, cached = await r.run(prompt, 6)
-        assert cached == (len(prompt) - 1) // BLOCK * BLOCK
+        assert cached == len(prompt) - 1
 
 
 async def test_memory_limit_evicts_unreferenced_blocks(qwen3: Loaded, rigs: list[Rig]) -> None:
@@ -279,8 +281,8 @@ def test_reuse_stops_where_a_sliding_window_lacks_its_positions() -> None:
 
     def block(i: int, sliding: bool) -> Block:
         part = mx.zeros((1, 1, BLOCK, 2))
-        return Block(bytes([i]), None, b"", 0, 0.0, False, [part if sliding else None, None if not sliding else part,
-                                                             part, part])
+        return Block(bytes([i]), None, b"", 0, 0.0, False, BLOCK,
+                     [part if sliding else None, None if not sliding else part, part, part])
 
     windows = (16, None)  # layer 0 slides over two blocks
     blocks = [block(i, i >= 4) for i in range(8)]
