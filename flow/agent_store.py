@@ -115,6 +115,7 @@ class AgentStore:
         self._lock = threading.Lock()  # stages call in from worker threads
         self._dbs: dict[bool, sqlite3.Connection] = {}  # persist → its database
         self._turns: dict[str, str] = {}  # agent id → the request answering its current turn
+        self._turns_lock = threading.Lock()  # not ``_lock``: releasing a turn must not wait for SQLite
 
     # ------------------------------------------------------------------ resource protocol
     def bind(self, resources: Mapping[str, Any]) -> None:
@@ -236,7 +237,7 @@ class AgentStore:
     def begin_turn(self, agent_id: str, request_id: str) -> None:
         """Mark the agent as answering a turn: a turn builds on the history the one before it leaves, so a
         second one while the first runs is a 409 (as a thread with an active run is in the Assistants API)."""
-        with self._lock:
+        with self._turns_lock:
             running = self._turns.get(agent_id)
             if running is not None:
                 raise ApiError("conflict", f"Agent '{agent_id}' is still answering a turn (request {running}); "
@@ -245,12 +246,13 @@ class AgentStore:
             self._turns[agent_id] = request_id
 
     def end_turn(self, agent_id: str, request_id: str) -> None:
-        with self._lock:
+        """Release the agent's turn if ``request_id`` holds it (a later turn's claim stays)."""
+        with self._turns_lock:
             if self._turns.get(agent_id) == request_id:
                 del self._turns[agent_id]
 
     def busy(self, agent_id: str) -> bool:
-        with self._lock:
+        with self._turns_lock:
             return agent_id in self._turns
 
     def status(self, agent: Agent) -> str:

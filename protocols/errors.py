@@ -30,7 +30,7 @@ STATUS: dict[ErrorKind, int] = {
     "authentication": 401,
     "permission": 403,
     "not_found": 404,
-    "conflict": 409,  # the resource exists already (e.g. an agent id)
+    "conflict": 409,  # the resource exists already (an agent id), or is busy (an agent answering a turn)
     "method_not_allowed": 405,
     "request_too_large": 413,
     "rate_limit": 429,

@@ -30,6 +30,10 @@ class ExactBPEDetokenizer(BPEStreamingDetokenizer):
     def _maybe_trim_space(self, current_text: str) -> str:
         return current_text
 
+    def finalize(self) -> None:
+        self.text += self._decode_bytes(self._unflushed)
+        self._unflushed = ""
+
     def _decode_bytes(self, seq: str) -> str:
         table = _byte_decoder()
         data = bytearray()

@@ -143,7 +143,7 @@ class SequenceHandle:
         self.error: BaseException | None = None
         self.finished = False
         self.cached_tokens = 0  # prompt tokens the prefix cache supplied
-        self.cache_write_tokens = 0  # prompt tokens this sequence adds to the prefix cache
+        self.cache_write_tokens = 0  # prompt tokens this sequence adds to the prefix cache's (full) blocks
 
     def cancel(self) -> None:
         """Ask the engine to drop this sequence at its next step (idempotent)."""
@@ -788,11 +788,12 @@ class Engine:
         if self.prefix is None:
             return
         last = tokens is not None or seq.policy.mode == "prefix"
+        ends = tokens is not None or seq.prefilled >= len(seq.prompt) - 1  # the prompt's end, or the finish
         if seq.keys is None:
             seq.keys = BlockKeys(self.namespace, self.prefix.config.block_tokens)
         try:
             self.prefix.store(self.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
-                              windows=self.windows, ttl=seq.policy.ttl_seconds,
+                              tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
                               session_id=seq.policy.session_id if last else None, keys=seq.keys)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Every block the prefix cache keeps with a non-zero TTL is also written here:
+Every full block the prefix cache keeps with a non-zero TTL (not its tails) is also written here:
 one ``.safetensors`` file per block (written to a temporary name, then renamed,
 so a file either is whole or is not there) and one row in ``index.sqlite``
 (key, parent key, model namespace, file size, SHA-256 of the file, expiry, last
@@ -72,8 +72,8 @@ class DiskEntry:
     last_access: float
 
 
-# The safetensors dtypes a block file may hold (bfloat16 goes in as uint16).
-_DTYPES = {"F32": np.float32, "F16": np.float16, "U16": np.uint16}
+# The safetensors dtypes a block file may hold (bfloat16 goes in as uint16); safetensors is little-endian.
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "U16": np.dtype("<u2")}
 
 
 def _parse_block(data: bytes) -> tuple[np.ndarray | None, ...]:
@@ -81,19 +81,22 @@ def _parse_block(data: bytes) -> tuple[np.ndarray | None, ...]:
     a JSON header of dtype, shape and byte range per tensor, the raw bytes). ``safetensors.numpy.load``
     copies every tensor; the device copy follows anyway, so views halve a restart's read time."""
     (size,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + size])
     base = 8 + size
+    if base > len(data):
+        raise ValueError(f"header of {size} bytes in a {len(data)}-byte file")
+    header = json.loads(data[8:base])
     arrays: list[np.ndarray | None] = []
     for i in range(int(header["__metadata__"]["count"])):
         spec = header.get(f"{i}")
         if spec is None:
             arrays.append(None)
             continue
-        dtype = np.dtype(_DTYPES[spec["dtype"]])
-        start, end = spec["data_offsets"]
+        dtype = _DTYPES[spec["dtype"]]
+        start, end = (int(n) for n in spec["data_offsets"])
         shape = tuple(int(n) for n in spec["shape"])
         count = math.prod(shape)
-        if end - start != dtype.itemsize * count or base + end > len(data):
+        fits = 0 <= start <= end <= len(data) - base and end - start == dtype.itemsize * count
+        if not fits or min(shape, default=0) < 0:
             raise ValueError(f"tensor {i}: byte range {start}..{end} does not fit shape {shape}")
         arrays.append(np.frombuffer(data, dtype, count, base + start).reshape(shape))
     return tuple(arrays)

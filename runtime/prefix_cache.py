@@ -18,7 +18,9 @@ hash over that last block's key and the tail's tokens. A match that has walked
 the full blocks tries the tails that would continue it, longest first, so the
 next turn of a conversation (whose prompt repeats the previous answer, then
 adds to it) reuses every token of the previous turn, not just its full blocks;
-an exact repeat reuses all of its prompt but the last token. Sliding-window
+an exact repeat of a prompt longer than a block reuses all of it but the last
+token. Tails are stored where a later request may continue: at a prompt's end
+and when a sequence finishes (not after every prefill chunk). Sliding-window
 models keep whole blocks only (their layers need blocks aligned to positions).
 
 A block holds every layer's keys and values for its tokens, copied out of a
@@ -37,8 +39,8 @@ A referenced block is never evicted.
 
 Tiers: *hot* blocks are in memory, within ``hot_bytes``; the least recently
 used unreferenced blocks leave first (a match touches its blocks deepest first,
-so a leaf leaves before its parent). With a :class:`DiskTier`, every block with
-a non-zero TTL is also written to disk in the background; a block evicted from
+so a leaf leaves before its parent). With a :class:`DiskTier`, every full block
+with a non-zero TTL is also written to disk in the background; a block evicted from
 memory stays *warm* there, and a match reads it back. A block lives until its
 expiry (its requests' TTL after their last use: Anthropic ``cache_control``,
 OpenAI ``ttl``, else ``default_ttl``); then it is deleted (*cold*).
@@ -194,6 +196,16 @@ def tail_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.sha256(b"tail" + parent + np.asarray(tokens, dtype=np.uint32).tobytes()).digest()[:20]
 
 
+def tail_keys(parent: bytes, tokens: Sequence[int]) -> list[bytes]:
+    """``tail_key(parent, tokens[:n])`` for n = 1 … len(tokens), hashing each token once."""
+    running = hashlib.sha256(b"tail" + parent)
+    keys: list[bytes] = []
+    for token in np.asarray(tokens, dtype=np.uint32):
+        running.update(token.tobytes())
+        keys.append(running.copy().digest()[:20])
+    return keys
+
+
 def _full_layers_only(windows: Windows) -> bool:
     """Tails need every layer to hold every position (a sliding-window layer keeps whole blocks only)."""
     return bool(windows) and all(w is None for w in windows)
@@ -311,9 +323,9 @@ class PrefixCache:
         start = len(hit.blocks) * b
         parent = hit.blocks[-1].key if hit.blocks else namespace
         longest = min(b - 1, len(tokens) - 1 - start)  # leave the last token to compute
-        keys = [tail_key(parent, tokens[start : start + n]) for n in range(longest, 0, -1)]
+        keys = tail_keys(parent, tokens[start : start + longest])
         with self._lock:
-            for key in keys:
+            for key in reversed(keys):  # the longest first
                 tail = self._blocks.get(key)
                 if tail is not None:
                     tail.refs += 1
@@ -362,12 +374,14 @@ class PrefixCache:
         self._evict()
         return cache
 
-    def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, windows: Windows = (),
-              ttl: float | None = None, session_id: str | None = None, keys: BlockKeys | None = None) -> int:
-        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks, and, on a model
-        whose ``windows`` are all full layers, the tail after them in memory; how many blocks it added.
+    def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, tail: bool = False,
+              windows: Windows = (), ttl: float | None = None, session_id: str | None = None,
+              keys: BlockKeys | None = None) -> int:
+        """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added.
 
-        ``keys``: the sequence's key chain from its earlier stores (or its match), extended here.
+        ``tail``: ``tokens`` end where a later request may continue (a prompt's end, a finished sequence),
+        so keep the tokens after the last full block too, in memory, if the model's ``windows`` are all
+        full layers. ``keys``: the sequence's key chain from its earlier stores (or its match), extended here.
         """
         b = self.config.block_tokens
         chain = keys if keys is not None and keys.namespace == namespace else BlockKeys(namespace, b)
@@ -387,7 +401,7 @@ class PrefixCache:
                 added.append(block)
             parent = key
         start = len(keys) * b
-        if start < len(tokens) and _full_layers_only(windows):
+        if tail and start < len(tokens) and _full_layers_only(windows):
             # Memory only: a tail is worth keeping for the next turn, not across a restart.
             key = tail_key(parent or namespace, tokens[start:])
             with self._lock:

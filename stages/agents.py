@@ -203,14 +203,16 @@ class AgentsGenerateDecode(ProtocolDecode):
 
     def decode(self, http: HttpRequest, created: int) -> ChatRequest:
         agent_id = http.param("agent_id")
+        # One turn at a time: claim the agent before reading its history, so that no turn is answered on a
+        # history another turn is about to extend; released when this request ends, however it ends.
+        on_request_end(lambda: self.store.end_turn(agent_id, http.request_id))
+        self.store.begin_turn(agent_id, http.request_id)
         agent = self.store.get(agent_id, history=True)
         if agent is None:
             raise _not_found(agent_id)
         body = parse_json_body(AgentGenerateBody, http.body)
         model = agent.model if body.model is None else self.store.model_name(body.model)
         request = openai_chat.decode_chat_body(body.model_copy(update={"model": model}), http.request_id, created)
-        self.store.begin_turn(agent.id, http.request_id)  # one turn at a time, until this request ends
-        on_request_end(lambda: self.store.end_turn(agent.id, http.request_id))
         system = (Message("system", agent.system_prompt),) if agent.system_prompt else ()
         history = tuple(Message.from_template(m) for m in agent.history or ())
         return replace(
@@ -239,5 +241,9 @@ class AgentsGenerateFormat(ProtocolFormat):
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         request = result.request
         turn = [*request.extension(NEW_MESSAGES, ()), openai_chat.assistant_message(result).to_template()]
+        agent_id = request.extension(AGENT)
         await trio.to_thread.run_sync(lambda: self.store.append_turn(
-            request.extension(AGENT), turn, context_tokens=result.usage.total_tokens, model=request.model))
+            agent_id, turn, context_tokens=result.usage.total_tokens, model=request.model))
+        # Free for the next turn now that the history has this one: a client may follow up as soon as it has
+        # the response, before the request has wound down.
+        self.store.end_turn(agent_id, request.request_id)

@@ -384,3 +384,21 @@ def test_one_turn_at_a_time_and_a_client_that_leaves_frees_the_agent(server: Run
     generate(server, "busy", "Now a short one.")
     after = get(server, "busy")
     assert after["busy"] is False and after["messages"] == 2
+
+
+def test_a_turn_is_released_only_by_the_request_that_holds_it(tmp_path: Path) -> None:
+    from flow.agent_store import AgentStore, AgentStoreConfig
+    from protocols.errors import ApiError
+
+    store = AgentStore("agent_store", AgentStoreConfig(path=str(tmp_path / "agents.sqlite")))
+    store.begin_turn("a", "req-1")
+    with pytest.raises(ApiError) as busy:
+        store.begin_turn("a", "req-2")
+    assert busy.value.status == 409 and busy.value.code == "agent_busy"
+    store.begin_turn("b", "req-3")  # other agents are not held up
+    store.end_turn("a", "req-1")
+    store.begin_turn("a", "req-4")
+    store.end_turn("a", "req-1")  # a late release of the earlier turn (its request winding down)
+    assert store.busy("a") and store.busy("b")
+    store.end_turn("a", "req-4")
+    assert not store.busy("a")

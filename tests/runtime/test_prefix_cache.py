@@ -365,3 +365,111 @@ def test_disk_blocks_round_trip_every_dtype_and_missing_layers(tmp_path: Path, d
     for got, want in ((back[0], arrays[0]), (back[2], arrays[2])):
         assert got is not None and want is not None
         assert got.dtype == dtype and got.shape == want.shape and mx.array_equal(got, want).item()
+
+
+# --------------------------------------------------------------------------- tails, without a model
+
+LAYERS = 2
+
+
+def positions(n: int) -> list[mx.array]:
+    """Per layer keys and values whose every element is its token position: what a slice came from shows."""
+    grid = mx.broadcast_to(mx.arange(n, dtype=mx.float32)[None, None, :, None], (1, 1, n, 2))
+    return [grid + 1000 * layer for layer in range(2 * LAYERS)]
+
+
+def store(cache: PrefixCache, tokens: list[int], *, tail: bool = True, windows: Any = (None,) * LAYERS) -> None:
+    kv = positions(len(tokens))
+    cache.store(NS, tokens, lambda a, b: [x[..., a:b, :] for x in kv], tail=tail, windows=windows)
+
+
+NS = namespace_of("tails")
+FULL = (None,) * LAYERS
+
+
+def test_a_tail_continues_the_blocks_and_rebuilds_exactly() -> None:
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+    seq = list(range(100, 120))  # 2 blocks of 8 and a 4-token tail
+    store(cache, seq)
+    assert cache.stats.stored_blocks == 2 and cache.stats.stored_tails == 1
+    hit = cache.match(NS, seq + [7, 8], FULL)
+    assert hit.tokens == 20 and cache.referenced() == 3
+    built = cache.build(hit)
+    assert cache.referenced() == 0
+    for layer, c in enumerate(built):
+        assert c.offset == 20 and mx.array_equal(c.keys, positions(20)[2 * layer]).item()
+        assert mx.array_equal(c.values, positions(20)[2 * layer + 1]).item()
+
+
+def test_the_longest_matching_tail_wins_and_a_divergent_one_is_not_used() -> None:
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+    seq = list(range(100, 130))
+    store(cache, seq[:18])  # tail of 2
+    store(cache, seq[:21])  # tail of 5
+    hit = cache.match(NS, seq, FULL)
+    assert hit.tokens == 21
+    cache.release(hit)
+    diverged = seq[:19] + [5] + seq[20:]  # differs inside the 5-token tail: only the 2-token one fits
+    hit = cache.match(NS, diverged, FULL)
+    assert hit.tokens == 18
+    cache.release(hit)
+    # A hit always leaves the prompt's last token to compute, even where a longer tail exists.
+    hit = cache.match(NS, seq[:21], FULL)
+    assert hit.tokens == 18
+    cache.release(hit)
+    assert cache.referenced() == 0
+
+
+def test_tails_need_full_layers_and_an_end() -> None:
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+    seq = list(range(100, 120))
+    store(cache, seq, windows=(16, None))  # a sliding-window layer: whole blocks only
+    store(cache, seq, tail=False)  # a prefill chunk that is not the prompt's end
+    assert cache.stats.stored_tails == 0
+    hit = cache.match(NS, seq + [1], FULL)
+    assert hit.tokens == 16
+    cache.release(hit)
+    # Under no full block at all, a short sequence's tail still continues from the model's namespace.
+    store(cache, [1, 2, 3, 4, 5])
+    hit = cache.match(NS, [1, 2, 3, 4, 5, 6], FULL)
+    assert hit.tokens == 5
+    cache.release(hit)
+
+
+def test_a_referenced_tail_outlives_eviction() -> None:
+    per_token = 2 * LAYERS * 2 * 4  # bytes: keys and values, 2 floats a position
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK, hot_bytes=per_token * 24))
+    seq = list(range(100, 120))
+    store(cache, seq)
+    hit = cache.match(NS, seq + [9], FULL)
+    assert hit.tokens == 20
+    store(cache, list(range(500, 540)))  # pushes everything unreferenced out
+    assert cache.stats.evictions > 0
+    built = cache.build(hit)  # the hit's blocks and tail were held
+    assert built[0].offset == 20 and mx.array_equal(built[0].keys, positions(20)[0]).item()
+    assert cache.referenced() == 0 and cache.hot_bytes <= per_token * 24
+
+
+@pytest.mark.parametrize("damage", ["header size", "unknown dtype", "negative offset", "past the end", "shape"])
+def test_a_block_file_that_does_not_parse_is_refused(damage: str) -> None:
+    """A file passes its checksum only if it was written whole; a header that lies is refused anyway."""
+    import json
+    import struct
+
+    from runtime.kv_disk import _parse_block
+
+    def block(header: dict[str, Any], payload: bytes, size: int | None = None) -> bytes:
+        raw = json.dumps({"__metadata__": {"count": "1", "dtype": "float32"}, **header}).encode()
+        return struct.pack("<Q", len(raw) if size is None else size) + raw + payload
+
+    good = {"0": {"dtype": "F32", "shape": [1, 1, 2, 2], "data_offsets": [0, 16]}}
+    assert _parse_block(block(good, bytes(16)))[0].shape == (1, 1, 2, 2)  # type: ignore[union-attr]
+    bad = {
+        "header size": block(good, bytes(16), size=10_000),
+        "unknown dtype": block({"0": {**good["0"], "dtype": "I64"}}, bytes(16)),
+        "negative offset": block({"0": {**good["0"], "data_offsets": [-16, 0]}}, bytes(16)),
+        "past the end": block({"0": {**good["0"], "data_offsets": [16, 32]}}, bytes(16)),
+        "shape": block({"0": {**good["0"], "shape": [1, 1, 2, -2]}}, bytes(16)),
+    }[damage]
+    with pytest.raises((ValueError, KeyError)):
+        _parse_block(bad)
