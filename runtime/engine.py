@@ -40,8 +40,10 @@ A sequence moves through three places:
   *n+1* while Python hands out step *n* — the pipelining of
   ``mlx_lm.generate_step``, for the whole batch. The CPU backend computes most
   of a step inside ``async_eval`` itself, so there the engine reads and hands
-  out step *n* first and then launches *n+1*: trio streams the tokens on the
-  other core while the step computes, and no token is held back a step. A row
+  out step *n* first, then runs the step's prefill work (handing out the new
+  sequences' first tokens), and only then launches *n+1*: trio streams the
+  tokens on the other core while the step computes, no token is held back a
+  step, and a new arrival's first token does not wait for a step of the batch. A row
   whose input is its first token ("fresh") hands nothing out that step: that
   token went out when it was sampled. Finished and cancelled rows
   are removed with the caches' ``filter`` (their KV memory goes with them);
@@ -60,8 +62,9 @@ start of the next step, wherever it is.
 
 Scheduling (``EngineConfig.strategy``), per step:
 
-* ``decode_first`` (default): decode the batch, then prefill with the full
-  ``prefill_chunk`` budget. Streams never wait for more than one chunk of
+* ``decode_first`` (default): decode the batch (on the CPU: hand out its
+  tokens; its next pass is launched after the prefill), then prefill with the
+  full ``prefill_chunk`` budget. Streams never wait for more than one chunk of
   someone else's prompt per token.
 * ``prefill_first``: prefill (full budget) and merge ready sequences *before*
   decoding, so they take part in this step's forward pass: lowest time to first
@@ -455,12 +458,21 @@ class Engine:
                 if self._batch.seqs:
                     self._decode(out)
             else:
+                launch: list[mx.array] = []
                 if self._batch.seqs:
-                    self._decode(out)
+                    launch = self._decode(out, launch_later=True)
                     self._update_gauges()
                     self._deliver(out)  # the streams get their tokens before any prefill work
                     out = []
                 self._prefill(self._prefill_budget(), out)
+                if launch:
+                    # CPU: the batch's next forward pass runs after the prefill, whose first tokens go out
+                    # first: a new arrival does not wait for a batch step (the streams' gaps are the same).
+                    self._deliver(out)
+                    out = []
+                    started = time.perf_counter()
+                    mx.async_eval(*launch)  # type: ignore[no-untyped-call]
+                    self.stats.decode_seconds += time.perf_counter() - started
                 self._admit(out)
         except Exception as exc:
             log.exception("engine step failed; failing its batch")
@@ -668,8 +680,11 @@ class Engine:
             return
         self.stats.prefill_seconds += time.perf_counter() - start
 
-    def _decode(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
-        """One forward pass for every row; hand out the tokens sampled last step."""
+    def _decode(self, out: list[tuple[_Sequence, TokenChunk | None]], launch_later: bool = False) -> list[mx.array]:
+        """One forward pass for every row; hand out the tokens sampled last step.
+
+        On the CPU, with ``launch_later``, the pass is returned to launch instead (the caller
+        prefills first); otherwise it is launched here and nothing is returned."""
         start = time.perf_counter()
         batch = self._batch
         inputs = batch.inputs
@@ -738,14 +753,19 @@ class Engine:
         batch.keep(keep)
         self.stats.generated_tokens += emitted
         self.stats.decode_steps += 1
+        self.stats.decode_seconds += time.perf_counter() - start
         if not self._launch_first:
             # The CPU backend runs most of a step inside async_eval: hand out the tokens
             # first, so trio streams them while the device computes the next ones.
             self._update_gauges()
             self._deliver(out)
             out.clear()
+            if launch_later:
+                return launch
+            start = time.perf_counter()
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
-        self.stats.decode_seconds += time.perf_counter() - start
+            self.stats.decode_seconds += time.perf_counter() - start
+        return []
 
     @staticmethod
     def _read_report(batch: _DecodeBatch, values: list[int]) -> dict[_Sequence, TokenLogprob]:

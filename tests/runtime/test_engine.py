@@ -393,3 +393,41 @@ def test_config_is_validated() -> None:
         EngineConfig(strategy="fastest")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         EngineConfig(max_batch=0)
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="the CPU ordering of a step")
+async def test_on_the_cpu_a_new_arrival_starts_before_the_batch_computes(qwen3: Loaded, engines: Engines,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_first on the CPU: a step hands out the batch's tokens, then prefills and hands out new
+    sequences' first tokens, and only then computes the batch's next pass (which the arrival would
+    otherwise wait for)."""
+    engine = engines(qwen3)
+    events: list[str] = []
+    real_step, real_start, real_async_eval = engine.step, engine._start, mx.async_eval
+
+    def step() -> None:
+        events.append("step")
+        real_step()
+
+    def start(rows: Any, out: Any) -> None:
+        events.append(f"start {len(rows)}")
+        real_start(rows, out)
+
+    def async_eval(*arrays: Any) -> None:
+        events.append("batch pass")
+        real_async_eval(*arrays)
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "_start", start)
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    prompts = [qwen3.chat(PROMPTS[0]), qwen3.chat(PROMPTS[4])]
+    results = await run_all(engine, prompts, 24, stagger_after=4)
+    assert [r.tokens for r in results] == [qwen3.reference(p, 24) for p in prompts]
+    steps: list[list[str]] = []
+    for event in events:
+        if event == "step":
+            steps.append([])
+        elif steps:
+            steps[-1].append(event)
+    joined = [s for s in steps if "start 1" in s and "batch pass" in s]  # the arrival's step, a batch running
+    assert joined and all(s.index("start 1") < s.index("batch pass") for s in joined), steps
