@@ -65,10 +65,16 @@ class ExactSPMDetokenizer(SPMStreamingDetokenizer):
         self._unflushed = b""
 
 
+_EXACT: dict[type, type] = {BPEStreamingDetokenizer: ExactBPEDetokenizer, SPMStreamingDetokenizer: ExactSPMDetokenizer}
+
+
 def use_exact_detokenizer(wrapper: Any) -> None:
     """Swap an mlx-lm ``TokenizerWrapper``'s streaming detokenizer for its exact counterpart (others stay)."""
     current = wrapper._detokenizer  # the wrapper copies this prototype for every sequence
-    if type(current) is BPEStreamingDetokenizer:
-        wrapper._detokenizer = ExactBPEDetokenizer(wrapper._tokenizer)
-    elif type(current) is SPMStreamingDetokenizer:
-        wrapper._detokenizer = ExactSPMDetokenizer(wrapper._tokenizer, trim_space=current.trim_space)
+    exact_type = _EXACT.get(type(current))
+    if exact_type is None:
+        return
+    exact = exact_type.__new__(exact_type)
+    exact.__dict__.update(current.__dict__)  # its vocabulary's token map, built once at load
+    exact.reset()
+    wrapper._detokenizer = exact

@@ -456,11 +456,11 @@ class Engine:
                 self._prefill(self.config.prefill_chunk, out)
                 self._admit(out)
                 if self._batch.seqs:
-                    self._decode(out)
+                    self._launch(self._decode(out))
             else:
                 launch: list[mx.array] = []
                 if self._batch.seqs:
-                    launch = self._decode(out, launch_later=True)
+                    launch = self._decode(out)
                     self._update_gauges()
                     self._deliver(out)  # the streams get their tokens before any prefill work
                     out = []
@@ -470,9 +470,7 @@ class Engine:
                     # first: a new arrival does not wait for a batch step (the streams' gaps are the same).
                     self._deliver(out)
                     out = []
-                    started = time.perf_counter()
-                    mx.async_eval(*launch)  # type: ignore[no-untyped-call]
-                    self.stats.decode_seconds += time.perf_counter() - started
+                    self._launch(launch)
                 self._admit(out)
         except Exception as exc:
             log.exception("engine step failed; failing its batch")
@@ -680,11 +678,11 @@ class Engine:
             return
         self.stats.prefill_seconds += time.perf_counter() - start
 
-    def _decode(self, out: list[tuple[_Sequence, TokenChunk | None]], launch_later: bool = False) -> list[mx.array]:
+    def _decode(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> list[mx.array]:
         """One forward pass for every row; hand out the tokens sampled last step.
 
-        On the CPU, with ``launch_later``, the pass is returned to launch instead (the caller
-        prefills first); otherwise it is launched here and nothing is returned."""
+        On a GPU the pass is launched here; on the CPU it is returned, for :meth:`_launch` once the
+        step's other work is done (there ``async_eval`` computes it before returning)."""
         start = time.perf_counter()
         batch = self._batch
         inputs = batch.inputs
@@ -754,18 +752,21 @@ class Engine:
         self.stats.generated_tokens += emitted
         self.stats.decode_steps += 1
         self.stats.decode_seconds += time.perf_counter() - start
-        if not self._launch_first:
-            # The CPU backend runs most of a step inside async_eval: hand out the tokens
-            # first, so trio streams them while the device computes the next ones.
-            self._update_gauges()
-            self._deliver(out)
-            out.clear()
-            if launch_later:
-                return launch
+        if self._launch_first:
+            return []
+        # The CPU backend runs most of a step inside async_eval: hand out the tokens
+        # first, so trio streams them while the device computes the next ones.
+        self._update_gauges()
+        self._deliver(out)
+        out.clear()
+        return launch
+
+    def _launch(self, launch: list[mx.array]) -> None:
+        """Compute a decode pass :meth:`_decode` left to launch (CPU), counted as decode time."""
+        if launch:
             start = time.perf_counter()
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
             self.stats.decode_seconds += time.perf_counter() - start
-        return []
 
     @staticmethod
     def _read_report(batch: _DecodeBatch, values: list[int]) -> dict[_Sequence, TokenLogprob]:
