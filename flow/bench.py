@@ -21,6 +21,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,14 @@ def markdown(result: dict[str, Any]) -> str:
     ])
 
 
+def report(result: dict[str, Any], json_path: str | None, render: Callable[[dict[str, Any]], str]) -> int:
+    """A benchmark's ending: the full result as JSON (when asked), its tables on stdout; the exit status."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    print(render(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flow bench", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--model", default="tiny:bench-80m",
@@ -144,11 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the full result here")
     args = parser.parse_args(argv)
     blas.advise()
-    result = run_bench(args.model, args.max_tokens, args.rounds)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(markdown(result))
-    return 0
+    return report(run_bench(args.model, args.max_tokens, args.rounds), args.json, markdown)
 
 
 if __name__ == "__main__":

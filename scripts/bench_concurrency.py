@@ -49,6 +49,8 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from flow.bench import report  # noqa: E402
+
 SYSTEMS = ("flow", "mlx_lm.server", "raw")
 
 
@@ -436,10 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             if flow_tps and other_tps:
                 ratios[f"flow/{other} @{level}"] = ratio(flow_tps, other_tps)
     result["ratios"] = ratios
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(markdown(result))
-    return 0
+    return report(result, args.json, markdown)
 
 
 if __name__ == "__main__":

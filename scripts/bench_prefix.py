@@ -43,6 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from flow.bench import report  # noqa: E402
 from scripts.bench_concurrency import free_port, peak_rss_mb, wait_ready  # noqa: E402
 
 TOPICS = ["the lamp", "the fog", "the supply boat", "the logbook", "the storm", "the gulls", "the keeper's cat",
@@ -235,10 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                   block_tokens=args.block_tokens,
                   system_tokens=args.system_tokens, answer_tokens=args.answer_tokens,
                   command=" ".join([Path(sys.executable).name, *sys.argv]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(markdown(result))
-    return 0
+    return report(result, args.json, markdown)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ from flow.spec import load_tables
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 
-__all__ = ["GRAPHS", "RunningServer", "graph_with_model", "running_server", "tables_with_model"]
+__all__ = ["GRAPHS", "RunningServer", "graph_with_model", "running_server", "tables_with_model",
+           "tables_with_prefix_cache"]
 
 
 def tables_with_model(model_path: Path | str, *, graph: str = "default.toml", name: str = "tiny",
@@ -19,6 +20,14 @@ def tables_with_model(model_path: Path | str, *, graph: str = "default.toml", na
     """The named graph file's tables with its model resource pointed at ``model_path`` (to adjust further)."""
     tables = load_tables(GRAPHS / graph)
     tables["resources"]["model"].update(path=str(model_path), name=name, aliases=["default"], **overrides)
+    return tables
+
+
+def tables_with_prefix_cache(model_path: Path | str, directory: Path, block_tokens: int,
+                             **cache: Any) -> dict[str, Any]:
+    """The default graph's tables with a test model, its prefix cache's disk tier in ``directory``."""
+    tables = tables_with_model(model_path)
+    tables["resources"]["prefix_cache"].update(directory=str(directory), block_tokens=block_tokens, **cache)
     return tables
 
 

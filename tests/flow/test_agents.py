@@ -19,7 +19,7 @@ import pytest
 from flow.compiler import compile_tables
 from protocols.ir import Message
 from stages.chat import turn_groups
-from tests.harness import RunningServer, running_server, tables_with_model
+from tests.harness import RunningServer, running_server, tables_with_prefix_cache
 
 BLOCK = 16
 SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly, mention the lamp, "
@@ -29,10 +29,9 @@ SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly,
 @contextmanager
 def agent_server(model: Path, tmp: Path, *, extra_models: dict[str, Path] | None = None,
                  **store: Any) -> Iterator[RunningServer]:
-    tables = tables_with_model(model)
+    tables = tables_with_prefix_cache(model, tmp / "kv", BLOCK)
     for name, path in (extra_models or {}).items():
         tables["resources"][name] = {"type": "model", "path": str(path)}
-    tables["resources"]["prefix_cache"].update(directory=str(tmp / "kv"), block_tokens=BLOCK)
     tables["resources"]["agent_store"].update(path=str(tmp / "agents.sqlite"), **store)
     with running_server(compile_tables(tables, "default.toml (agents test)")) as server:
         yield server

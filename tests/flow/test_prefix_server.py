@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from flow.compiler import compile_tables
-from tests.harness import RunningServer, running_server, tables_with_model
+from tests.harness import RunningServer, running_server, tables_with_prefix_cache
 
 BLOCK = 16
 SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly, mention the lamp, "
@@ -26,8 +26,7 @@ SYSTEM = ("You are the keeper's assistant at the old lighthouse. Answer briefly,
 
 @contextmanager
 def cached_server(model: Path, directory: Path, **cache: Any) -> Iterator[RunningServer]:
-    tables = tables_with_model(model)
-    tables["resources"]["prefix_cache"].update(directory=str(directory), block_tokens=BLOCK, **cache)
+    tables = tables_with_prefix_cache(model, directory, BLOCK, **cache)
     with running_server(compile_tables(tables, "default.toml (prefix test)")) as server:
         yield server
 
