@@ -456,8 +456,10 @@ ERROR_TYPES = {
     "conflict": "invalid_request_error",
     "method_not_allowed": "invalid_request_error",
     "request_too_large": "request_too_large",
+    "unsupported_media_type": "invalid_request_error",
     "rate_limit": "rate_limit_error",
     "overloaded": "overloaded_error",
+    "unavailable": "api_error",
     "internal": "api_error",
 }
 

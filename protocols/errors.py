@@ -20,7 +20,9 @@ ErrorKind = Literal[
     "method_not_allowed",
     "request_too_large",
     "rate_limit",
+    "unsupported_media_type",
     "overloaded",
+    "unavailable",
     "internal",
 ]
 
@@ -33,8 +35,11 @@ STATUS: dict[ErrorKind, int] = {
     "conflict": 409,  # the resource exists already (an agent id), or is busy (an agent answering a turn)
     "method_not_allowed": 405,
     "request_too_large": 413,
+    "unsupported_media_type": 415,
     "rate_limit": 429,
     "overloaded": 503,
+    # A part of the server cannot serve now, and retrying will not help until someone acts (a damaged store).
+    "unavailable": 503,
     "internal": 500,
 }
 
@@ -58,4 +63,4 @@ class ApiError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.kind in ("rate_limit", "overloaded", "internal")
+        return self.kind in ("rate_limit", "overloaded")

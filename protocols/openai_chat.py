@@ -417,8 +417,10 @@ _ERROR_TYPES = {
     "conflict": "invalid_request_error",
     "method_not_allowed": "invalid_request_error",
     "request_too_large": "invalid_request_error",
+    "unsupported_media_type": "invalid_request_error",
     "rate_limit": "rate_limit_error",
     "overloaded": "server_overloaded",
+    "unavailable": "service_unavailable_error",
     "internal": "server_error",
 }
 
