@@ -335,7 +335,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 def _arguments_object(arguments: str) -> dict[str, Any]:
     try:
         parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # a model's malformed arguments: the block gets an empty input
         return {}
     return parsed if isinstance(parsed, dict) else {}
 

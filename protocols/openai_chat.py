@@ -33,7 +33,7 @@ from protocols.ir import (
     Usage,
 )
 from protocols.sse import DONE, data_frame, dumps
-from protocols.validation import parse_json_body
+from protocols.validation import json_object_argument, parse_json_body
 
 # --------------------------------------------------------------------------- request
 
@@ -178,21 +178,6 @@ def _content_text(content: str | list[Any] | None, where: str) -> str:
     return "".join(texts)
 
 
-def _arguments_dict(arguments: str | dict[str, Any], where: str) -> dict[str, Any]:
-    # Chat templates index into arguments, so JSON strings become dicts before templating.
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        parsed = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
-        raise ApiError(
-            "invalid_request", f"'{where}' must be a JSON object string.", param=where
-        ) from None
-    if not isinstance(parsed, dict):
-        raise ApiError("invalid_request", f"'{where}' must encode a JSON object.", param=where)
-    return parsed
-
-
 def _message(msg: ChatMessageIn, index: int) -> Message:
     where = f"messages[{index}]"
     role = "tool" if msg.role == "function" else msg.role
@@ -204,7 +189,7 @@ def _message(msg: ChatMessageIn, index: int) -> Message:
                 "type": "function",
                 "function": {
                     "name": call.function.name,
-                    "arguments": _arguments_dict(
+                    "arguments": json_object_argument(
                         call.function.arguments, f"{where}.tool_calls[{j}].function.arguments"
                     ),
                 },

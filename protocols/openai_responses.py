@@ -46,7 +46,7 @@ from protocols.ir import (
 )
 from protocols.openai_chat import error_body, error_json, error_status
 from protocols.sse import event_frame
-from protocols.validation import parse_json_body
+from protocols.validation import json_object_argument, parse_json_body
 
 MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
 ECHO = "responses.echo"  # request fields echoed back in the response object
@@ -117,16 +117,6 @@ def _parts_text(content: str | list[ContentPart] | None) -> str:
     return "".join(texts)
 
 
-def _arguments(text: str | None, where: str) -> dict[str, Any]:
-    try:
-        parsed = json.loads(text or "{}")
-    except json.JSONDecodeError:
-        raise ApiError("invalid_request", f"'{where}' must be a JSON object string.", param=where) from None
-    if not isinstance(parsed, dict):
-        raise ApiError("invalid_request", f"'{where}' must encode a JSON object.", param=where)
-    return parsed
-
-
 class _Conversation:
     """Builds template messages from Responses items, in order."""
 
@@ -177,7 +167,7 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
         elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
                 raise ApiError("invalid_request", f"'{where}' needs 'call_id' and 'name'.", param=where)
-            arguments = (_arguments(item.arguments, f"{where}.arguments") if item.type == "function_call"
+            arguments = (json_object_argument(item.arguments, f"{where}.arguments") if item.type == "function_call"
                          else {"input": item.input or ""})
             conv.call(item.call_id, item.name, arguments)
         elif item.type in ("function_call_output", "custom_tool_call_output"):
@@ -192,9 +182,12 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
 
 def _tools(body: ResponsesBody) -> tuple[dict[str, Any], ...]:
     out = []
-    for tool in body.tools or ():
-        if tool.type != "function" or not tool.name:
+    for i, tool in enumerate(body.tools or ()):
+        if tool.type != "function":
             continue  # built-in tools (web_search, file_search, local_shell, …) are not served here
+        if not tool.name:
+            raise ApiError("invalid_request", f"'tools[{i}].name' is required for a function tool.",
+                           param=f"tools[{i}].name")
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object"}}
         if tool.description:
             function["description"] = tool.description
@@ -275,7 +268,8 @@ def conversation_after(result: FinalResult) -> tuple[Message, ...]:
         extra.append(("reasoning_content", result.reasoning))
     if result.tool_calls:
         extra.append(("tool_calls", [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _arguments(c.arguments, "x")}}
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": json_object_argument(c.arguments, "tool_calls")}}
             for c in result.tool_calls]))
     return (*history, Message("assistant", result.text, extra=tuple(extra)))
 

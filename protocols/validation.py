@@ -64,14 +64,89 @@ def _most_specific(errors: list[Any]) -> list[Any]:
     return kept or errors
 
 
-def parse_json_body(model: type[M], body: bytes) -> M:
-    """Parse and validate ``body`` as ``model``; raise one ApiError naming the first bad field."""
+# JSON nesting deeper than this is refused: request schemas nest a handful of levels, tool schemas a
+# few dozen; deeper input only exercises recursion (in the parser, validation, templates).
+MAX_DEPTH = 64
+
+
+def _not_json(value: str) -> Any:
+    raise ValueError(f"{value} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if number in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:40]} is too large")
+    return number
+
+
+def _walk(data: Any, check_strings: bool) -> None:
+    """Refuse nesting past :data:`MAX_DEPTH` and, when the body escaped any, lone UTF-16 surrogates
+    (``"\\ud800"``): JSON allows them, UTF-8 cannot encode them, so the tokenizer would fail."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            if check_strings and isinstance(value, str):
+                _encodable(value, path)
+            continue
+        if depth > MAX_DEPTH:
+            raise ApiError("invalid_request", f"The request body nests deeper than {MAX_DEPTH} levels "
+                           f"(at '{path}').", param=path or None)
+        for key, item in items:
+            where = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+            if check_strings and isinstance(key, str):
+                _encodable(key, where)
+            stack.append((item, depth + 1, where))
+
+
+def _encodable(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("invalid_request", f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                       "\\udfff escape), which is not valid Unicode text.", param=where or None) from None
+
+
+def load_json(body: bytes) -> Any:
+    """``body`` as JSON, or an ApiError saying why not: malformed, NaN/Infinity, numbers too large,
+    nesting too deep, unpaired surrogates."""
     if not body.strip():
         raise ApiError("invalid_request", "The request body is empty; send a JSON object.")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_not_json, parse_float=_finite)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError("invalid_request", f"The request body is not valid JSON: {exc}.") from None
+    except RecursionError:
+        raise ApiError("invalid_request", f"The request body nests deeper than {MAX_DEPTH} levels.") from None
+    except ValueError as exc:  # NaN/Infinity, 1e999, integers of thousands of digits
+        raise ApiError("invalid_request", f"The request body is not acceptable JSON: {exc}.") from None
+    _walk(data, check_strings=b"\\ud" in body or b"\\uD" in body)
+    return data
+
+
+def json_object_argument(arguments: str | dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """Tool-call arguments a client sends back (a JSON object, or a string encoding one) as a dict:
+    chat templates index into them. Strings get the body's own checks (depth, numbers, surrogates)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = load_json((arguments or "{}").encode("utf-8", "surrogatepass"))
+    except ApiError as exc:
+        raise ApiError("invalid_request", f"'{where}' must be a JSON object string: "
+                       f"{exc.message[0].lower()}{exc.message[1:]}", param=where) from None
+    if not isinstance(parsed, dict):
+        raise ApiError("invalid_request", f"'{where}' must encode a JSON object.", param=where)
+    return parsed
+
+
+def parse_json_body(model: type[M], body: bytes) -> M:
+    """Parse and validate ``body`` as ``model``; raise one ApiError naming the first bad field."""
+    data = load_json(body)
     if not isinstance(data, dict):
         raise ApiError(
             "invalid_request", f"The request body must be a JSON object, not {type(data).__name__}."

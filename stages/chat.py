@@ -32,6 +32,7 @@ from protocols.ir import (
     ToolCallDelta,
     Usage,
 )
+from protocols.limits import ModelLimits, validate_request
 from protocols.parsers import REASONING_PARSERS, StreamParser, make_response_parser
 from protocols.stops import StopMatcher
 from stages.templating import template_inputs
@@ -56,6 +57,13 @@ def render_prompt(tokenizer: Any, request: ChatRequest, family: Family) -> str:
     except TemplateError as exc:
         raise ApiError("invalid_request", f"The model's chat template rejected these messages: {exc}",
                        param="messages") from None
+    except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as exc:
+        # The template is the model's and fixed: what makes it fail is the request's content (a value of a
+        # type the template does not expect, nesting it recurses into).
+        log.info("chat template failed on request %s: %s: %s", request.request_id, type(exc).__name__, exc)
+        raise ApiError("invalid_request", "The model's chat template could not render these messages "
+                       f"({type(exc).__name__}); check the types of message contents, tool calls and "
+                       "chat_template_kwargs.", param="messages") from None
     return str(text)
 
 
@@ -131,11 +139,11 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
         resource = self.models.lookup(request.model)
         loaded = resource.require()
         tokenizer = loaded.tokenizer
+        # Checked against the model before any templating or tokenizing (which cost many times the text).
+        request = validate_request(replace(request, context_overflow=self._overflow(request)),
+                                   ModelLimits(loaded.vocab_size, self._limit(loaded, request)))
         if isinstance(request.prompt, tuple):
             ids = request.prompt
-            if any(not 0 <= t < loaded.vocab_size for t in ids):
-                raise ApiError("invalid_request", f"Token ids in 'prompt' must be between 0 and "
-                               f"{loaded.vocab_size - 1}.", param="prompt")
             text = tokenizer.decode(list(ids))
         elif isinstance(request.prompt, str):
             # A raw prompt gets the tokenizer's own special tokens (BOS), as in mlx-lm's server.
