@@ -7,12 +7,18 @@ to family detection, so a probed model is served the way that was shown to work.
 
 The database lives in the user's data directory (``$FLOW_DATA_DIR``, else
 ``$XDG_DATA_HOME/flow``, ``~/Library/Application Support/flow`` on macOS,
-``~/.local/share/flow`` elsewhere).
+``~/.local/share/flow`` elsewhere). Data files are private: the directory is
+0700 and the files 0600 (:mod:`runtime.private_files`).
+
+The store only refines serving: a damaged file is logged and serving goes on
+with family detection; it is never deleted or rewritten (``flow probe`` again,
+after moving it aside, rebuilds it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import sys
@@ -22,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from flow.families import Family
+from runtime.private_files import private_db, private_dir
+
+log = logging.getLogger("flow.capabilities")
 
 
 def data_dir() -> Path:
@@ -30,6 +39,19 @@ def data_dir() -> Path:
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Application Support" / "flow"
     return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "flow"
+
+
+def private_data_dir() -> Path:
+    """The data directory, created (or tightened) to 0700."""
+    return private_dir(data_dir(), ours=True)
+
+
+def private_data_file(path: Path) -> Path:
+    """Prepare an SQLite data file before connecting: its directory private (tightened if it is the data
+    directory), the file and its existing -wal/-shm 0600 (SQLite gives new ones the file's mode)."""
+    parent = path.parent
+    private_dir(parent, ours=parent.absolute() == data_dir().absolute())
+    return private_db(path)
 
 
 def default_db() -> Path:
@@ -66,44 +88,74 @@ CREATE TABLE IF NOT EXISTS capabilities (
 """
 
 
+_warned: set[Path] = set()  # damaged stores already logged (a model load asks once per load)
+
+
 class CapabilityStore:
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or default_db()
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path)
-        conn.execute(_SCHEMA)
+        conn = sqlite3.connect(private_data_file(self.path))
+        try:
+            conn.execute(_SCHEMA)
+        except BaseException:
+            conn.close()
+            raise
         return conn
+
+    def _unreadable(self, exc: Exception) -> None:
+        if self.path not in _warned:
+            _warned.add(self.path)
+            log.warning("capability store %s cannot be read (%s: %s); serving models by family detection. It is "
+                        "left as it is: move it aside and run `flow probe` again to rebuild it.", self.path,
+                        type(exc).__name__, exc)
 
     def put(self, caps: Capabilities) -> None:
         row = asdict(caps)
         row["evidence"] = json.dumps(caps.evidence)
-        with self._connect() as conn:
-            conn.execute(f"INSERT OR REPLACE INTO capabilities ({', '.join(row)}) VALUES "
-                         f"({', '.join('?' for _ in row)})", [row[k] for k in row])
+        conn = self._connect()
+        try:
+            with conn:  # one transaction
+                conn.execute(f"INSERT OR REPLACE INTO capabilities ({', '.join(row)}) VALUES "
+                             f"({', '.join('?' for _ in row)})", [row[k] for k in row])
+        finally:
+            conn.close()
 
     def get(self, model: Path | str) -> Capabilities | None:
+        """What was probed about ``model``; None if nothing, or if the store cannot be read (an unreadable
+        store is as good as none: detection still works)."""
         if not self.path.exists():
             return None
         try:
-            with self._connect() as conn:
+            conn = self._connect()
+            try:
                 conn.row_factory = sqlite3.Row
                 found = conn.execute("SELECT * FROM capabilities WHERE model = ?", (str(model),)).fetchone()
-        except sqlite3.DatabaseError:
-            return None  # an unreadable store is as good as none: detection still works
-        if found is None:
+            finally:
+                conn.close()
+            if found is None:
+                return None
+            row = dict(found)
+            return Capabilities(**{**row, "thinking": bool(row["thinking"]),
+                                   "tool_calls_verified": bool(row["tool_calls_verified"]),
+                                   "evidence": json.loads(row["evidence"])})
+        except (sqlite3.Error, OSError, TypeError, ValueError, IndexError, KeyError) as exc:  # damaged, or odd rows
+            self._unreadable(exc)
             return None
-        row = dict(found)
-        return Capabilities(**{**row, "thinking": bool(row["thinking"]),
-                               "tool_calls_verified": bool(row["tool_calls_verified"]),
-                               "evidence": json.loads(row["evidence"])})
 
     def all(self) -> list[Capabilities]:
         if not self.path.exists():
             return []
-        with self._connect() as conn:
-            models = [r[0] for r in conn.execute("SELECT model FROM capabilities ORDER BY model")]
+        try:
+            conn = self._connect()
+            try:
+                models = [r[0] for r in conn.execute("SELECT model FROM capabilities ORDER BY model")]
+            finally:
+                conn.close()
+        except (sqlite3.Error, OSError) as exc:
+            self._unreadable(exc)
+            return []
         return [c for m in models if (c := self.get(m)) is not None]
 
 

@@ -14,11 +14,16 @@ It attaches itself to every model resource of the graph (or those named in
 and adds its sequences' blocks (see :mod:`runtime.prefix_cache`). Keys start
 from the model's weights, so models never share blocks. While serving, it
 deletes expired blocks every ``sweep_seconds``.
+
+The disk tier is a cache: a damaged index is set aside and the tier starts cold
+(see :mod:`runtime.kv_disk`); a tier that cannot start at all (a directory it
+cannot write) leaves the cache in memory only, with the reason in ``/stats``.
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,7 +31,7 @@ from typing import Any, ClassVar
 import trio
 from pydantic import Field
 
-from flow.capabilities import data_dir
+from flow.capabilities import data_dir, private_data_dir
 from flow.metrics import Metric
 from flow.registry import register_resource
 from flow.resources import ModelResource, ResourceConfig
@@ -62,6 +67,7 @@ class PrefixCacheResource:
         self.cache = PrefixCache(PrefixConfig(block_tokens=config.block_tokens, hot_bytes=config.hot_bytes,
                                               default_ttl=config.default_ttl_seconds))
         self._device: DeviceThread | None = None
+        self.disk_error: str | None = None  # why the disk tier did not start
 
     @property
     def directory(self) -> Path:
@@ -76,8 +82,20 @@ class PrefixCacheResource:
     async def start(self, device: DeviceThread) -> None:
         self._device = device
         if self.config.disk:
-            self.cache.disk = await trio.to_thread.run_sync(DiskTier, self.directory, self.config.disk_max_bytes)
+            try:
+                self.cache.disk = await trio.to_thread.run_sync(self._open_disk)
+            except (OSError, sqlite3.Error) as exc:  # a cache: serve without it rather than not at all
+                self.disk_error = f"{type(exc).__name__}: {exc}"
+                log.warning("prefix cache: no disk tier in %s (%s); blocks stay in memory only", self.directory,
+                            self.disk_error)
+                return
             log.info("prefix cache: warm tier in %s (%d blocks)", self.directory, len(self.cache.disk.index))
+
+    def _open_disk(self) -> DiskTier:
+        default = self.config.directory is None
+        if default:
+            private_data_dir()  # the data directory is flow's: 0700, even if an older version made it
+        return DiskTier(self.directory, self.config.disk_max_bytes, own_directory=default)
 
     async def run(self) -> None:
         """Delete expired blocks now and then (on the device thread: they hold MLX arrays)."""
@@ -91,7 +109,10 @@ class PrefixCacheResource:
             self.cache.disk.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"type": self.type_name, **self.cache.stats_json()}
+        out = {"type": self.type_name, **self.cache.stats_json()}
+        if self.disk_error is not None:
+            out["disk_error"] = self.disk_error
+        return out
 
     def metrics(self) -> list[Metric]:
         """For ``/metrics``: reuse, blocks and bytes by tier, evictions."""

@@ -7,13 +7,23 @@ one ``.safetensors`` file per block (written to a temporary name, then renamed,
 so a file either is whole or is not there) and one row in ``index.sqlite``
 (key, parent key, model namespace, file size, SHA-256 of the file, expiry, last
 access). Writing happens on a background thread fed by a queue; the device
-thread only hands over host copies of the arrays.
+thread only hands over host copies of the arrays. The directory is 0700, the
+index and the block files 0600 (:mod:`runtime.private_files`): KV blocks are
+conversations.
 
 Reading is the opposite path and runs on worker threads: :meth:`DiskTier.read`
 checks the file's size and SHA-256 against the index before parsing it, so a
 truncated or corrupted file is detected, deleted and never served (counted in
 ``corrupt``). On start the index is reconciled with the directory: rows whose
-file is missing or has the wrong size, and expired rows, are dropped.
+file is missing or has the wrong size, and expired rows, are dropped, and block
+files no row names (a crash between a file's rename and its row's commit) are
+deleted.
+
+The tier is a cache, so damage never stops the server: an index SQLite cannot
+read (not a database, malformed, failing ``PRAGMA quick_check``) is set aside
+as ``index.sqlite.damaged-<UTC time>`` (with its ``-wal``/``-shm``), logged and
+counted in ``stats()``; the tier starts cold with a fresh index and deletes the
+block files the old one described.
 
 The tier is byte-capped: past ``max_bytes`` the least recently used blocks are
 deleted (cold). ``sweep`` deletes expired ones.
@@ -43,6 +53,8 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import save as save_safetensors
+
+from runtime.private_files import DIR_MODE, FILE_MODE, SQLITE_SIDE_FILES, private_db, private_dir, write_private
 
 log = logging.getLogger("flow.kv_disk")
 
@@ -110,8 +122,15 @@ class HostBlock:
     dtype: str  # the device dtype ("bfloat16" arrays are stored as uint16)
 
 
+INDEX = "index.sqlite"
+BLOCK_SUFFIX = ".safetensors"
+ERROR_LOG_SECONDS = 60.0  # a failing disk logs once a minute, not once per block
+
+
 class DiskTier:
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, *, own_directory: bool = False) -> None:
+        """``own_directory``: the directory is flow's own (the default one in the data directory), so an
+        existing one is made private too; a directory the user named keeps its mode if it exists."""
         self.directory = directory
         self.max_bytes = max_bytes
         self.index: dict[bytes, DiskEntry] = {}
@@ -121,10 +140,23 @@ class DiskTier:
         self.corrupt = 0
         self.expired = 0
         self.evicted = 0
+        self.orphans_removed = 0  # block files no index row named
+        self.damaged_index_set_aside = 0
+        self.damaged_index: str | None = None  # where the last damaged index was put
+        self.errors = 0  # failed disk operations of the writer thread
+        self._last_error_log = 0.0
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
-        (directory / "blocks").mkdir(parents=True, exist_ok=True)
-        self._reconcile()
+        private_dir(directory, ours=own_directory)
+        private_dir(directory / "blocks", ours=True)
+        try:
+            self._reconcile()
+        except sqlite3.DatabaseError as exc:  # a cache: set the index aside and start cold
+            if getattr(exc, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+                raise  # in use by another process, not damaged
+            self._set_aside(exc)
+            self._reconcile()
+        self._remove_orphans()
         self._writer = threading.Thread(target=self._write_loop, name="flow-kv-disk", daemon=True)
         self._writer.start()
 
@@ -207,7 +239,9 @@ class DiskTier:
         with self._lock:
             return {"blocks": len(self.index), "bytes": self.bytes, "max_bytes": self.max_bytes,
                     "written": self.written, "read_hits": self.read_hits, "corrupt": self.corrupt,
-                    "expired": self.expired, "evicted": self.evicted, "directory": str(self.directory)}
+                    "expired": self.expired, "evicted": self.evicted, "orphans_removed": self.orphans_removed,
+                    "errors": self.errors, "damaged_index_set_aside": self.damaged_index_set_aside,
+                    "damaged_index": self.damaged_index, "directory": str(self.directory)}
 
     # ------------------------------------------------------------------ internals
     def _forget(self, key: bytes) -> None:
@@ -224,22 +258,76 @@ class DiskTier:
         self._queue.put(("delete", key))
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.directory / "index.sqlite")
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")  # a cache: no fsync per commit; checksums catch what a crash tears
-        db.execute(_SCHEMA)
+        path = private_db(self.directory / INDEX)  # before connect: SQLite's -wal and -shm copy its mode
+        db = sqlite3.connect(path)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # a cache: no fsync per commit; checksums catch torn files
+            db.execute(_SCHEMA)
+        except BaseException:
+            db.close()
+            raise
         return db
 
+    def _set_aside(self, exc: sqlite3.DatabaseError) -> None:
+        """Move a damaged index (and its -wal/-shm) out of the way; forget what it said. Raises OSError if
+        it cannot be moved (the prefix cache then runs without its disk tier)."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        index = self.directory / INDEX
+        aside = index.with_name(f"{INDEX}.damaged-{stamp}")
+        n = 1
+        while aside.exists():  # two in one second: keep both
+            aside, n = index.with_name(f"{INDEX}.damaged-{stamp}-{n}"), n + 1
+        for suffix in ("", *SQLITE_SIDE_FILES):
+            source = index.with_name(INDEX + suffix)
+            if source.exists():
+                os.replace(source, aside.with_name(aside.name + suffix))
+        log.warning("prefix cache: the disk tier's index %s is damaged (%s: %s); set aside as %s, starting "
+                    "cold (its block files are deleted: they are cache)", index, type(exc).__name__, exc, aside)
+        self.index.clear()
+        self.bytes = 0
+        self.damaged_index_set_aside += 1
+        self.damaged_index = str(aside)
+
+    def _remove_orphans(self) -> None:
+        """Delete block files (and unfinished temporary ones) the index does not name."""
+        removed = 0
+        for sub in (self.directory / "blocks").iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                name = path.name
+                if name.endswith(BLOCK_SUFFIX):
+                    try:
+                        if bytes.fromhex(name.removesuffix(BLOCK_SUFFIX)) in self.index:
+                            continue
+                    except ValueError:
+                        pass  # not a block name: not ours either way, but it sits where only blocks go
+                elif not name.endswith(".tmp"):
+                    continue
+                path.unlink(missing_ok=True)
+                removed += 1
+        self.orphans_removed += removed
+        if removed:
+            log.info("prefix cache: deleted %d block files no index row named in %s", removed, self.directory)
+
     def _reconcile(self) -> None:
-        """Load the index, keeping only rows whose file is there with the recorded size and not expired."""
+        """Load the index, keeping only rows whose file is there with the recorded size and not expired
+        (sqlite3.DatabaseError: the index is damaged)."""
         now = time.time()
         db = self._connect()
         try:
+            check = db.execute("PRAGMA quick_check").fetchall()
+            if check != [("ok",)]:
+                raise sqlite3.DatabaseError(f"quick_check: {'; '.join(str(r[0]) for r in check[:3])}")
             dropped: list[str] = []
             for key, parent, namespace, size, sha, dtype, expires, last in db.execute("SELECT * FROM blocks"):
                 path = self.path(bytes.fromhex(key))
                 try:
-                    ok = path.stat().st_size == size
+                    st = path.stat()
+                    ok = st.st_size == size
+                    if ok and st.st_mode & 0o077:  # written by a version that did not make blocks private
+                        os.chmod(path, FILE_MODE)
                 except OSError:
                     ok = False
                 if not ok or expires <= now:
@@ -268,11 +356,24 @@ class DiskTier:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # serving comes first
             except OSError:
                 pass
-        db = self._connect()
+        try:
+            db = self._connect()
+        except Exception:  # the index went away since the start: no disk writes, but flushes still return
+            log.exception("prefix cache: cannot open the disk tier's index; blocks stay in memory only")
+            while (item := self._queue.get()) is not None:
+                if item[0] == "flush":
+                    item[1].set()
+            return
         try:
             while (item := self._queue.get()) is not None:
                 kind, payload = item
                 try:
+                    if kind == "flush":
+                        try:
+                            db.commit()
+                        finally:  # a waiter must never hang on a failed commit
+                            payload.set()
+                        continue
                     if kind == "write":
                         self._write(db, *payload)
                     elif kind == "touch":
@@ -282,17 +383,24 @@ class DiskTier:
                     elif kind == "delete":
                         self.path(payload).unlink(missing_ok=True)
                         db.execute("DELETE FROM blocks WHERE key = ?", (payload.hex(),))
-                    elif kind == "flush":
-                        db.commit()
-                        payload.set()
-                        continue
                     if self._queue.empty():
                         db.commit()
-                except Exception:  # a full disk or a bad block must not stop the tier
-                    log.exception("prefix cache: disk %s failed", kind)
+                except Exception:  # a full disk, a bad block or an index damaged meanwhile must not stop the tier
+                    self._error(kind)
         finally:
-            db.commit()
+            try:
+                db.commit()
+            except sqlite3.Error:
+                self._error("commit")
             db.close()
+
+    def _error(self, kind: str) -> None:
+        """Count a failed disk operation; log it with its traceback at most once a minute."""
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._last_error_log >= ERROR_LOG_SECONDS:
+            self._last_error_log = now
+            log.exception("prefix cache: disk %s failed (%d failures so far)", kind, self.errors)
 
     def _write(self, db: sqlite3.Connection, key: bytes, parent: bytes | None, namespace: bytes,
                block: HostBlock, expires: float) -> None:
@@ -302,9 +410,12 @@ class DiskTier:
         tensors = {f"{i}": a for i, a in enumerate(block.arrays) if a is not None}
         data = save_safetensors(tensors, metadata={"dtype": block.dtype, "count": str(len(block.arrays))})
         path = self.path(key)
-        path.parent.mkdir(exist_ok=True)
+        try:
+            os.mkdir(path.parent, DIR_MODE)
+        except FileExistsError:
+            pass
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
+        write_private(tmp, data)
         os.replace(tmp, path)  # readers see the whole file or none; the checksum catches the rest
         now = time.time()
         entry = DiskEntry(key, parent, namespace, len(data), hashlib.sha256(data).hexdigest(), block.dtype,
