@@ -24,11 +24,19 @@ the last block of the agent's latest turn, and asks the prefix cache where that
 block is now: ``hot`` (in memory), ``warm`` (on disk, e.g. after a restart) or
 ``cold`` (nowhere: the next turn is prefilled in full). Changing an agent's
 model keeps its history and starts (or resumes) that model's chain.
+
+Safety: the file is private (0600) and written with ``synchronous=FULL``, so a
+turn is on disk before its answer's last bytes go out. A file that is damaged
+(at start, or found so later) is never written, renamed or deleted: the store
+becomes unavailable, every agents route answers 503 naming the file and how to
+recover it, ``/stats`` shows ``state: "damaged"`` with the reason, and the rest
+of the server serves on (see :mod:`flow.data_files`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sqlite3
 import threading
@@ -39,9 +47,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import trio
 from pydantic import Field
 
 from flow.capabilities import data_dir
+from flow.data_files import DamagedStore, classify, open_store, store_error, unavailable_error
 from flow.prefix import PrefixCacheResource
 from flow.registry import register_resource
 from flow.resources import ModelResource, ModelSet, ResourceConfig
@@ -49,6 +59,8 @@ from protocols.errors import ApiError
 from protocols.ir import ContextOverflow
 from runtime.device import DeviceThread
 from runtime.prefix_cache import PrefixCache
+
+log = logging.getLogger("flow.agent_store")
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 AGENT_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -73,6 +85,7 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 """
 _COLUMNS = "id, model, system_prompt, max_context, context_overflow, context_tokens, created, last_access, kv"
+_TABLES = {"agents": frozenset(_COLUMNS.split(", ")), "messages": frozenset({"agent_id", "seq", "message"})}
 
 
 class AgentStoreConfig(ResourceConfig):
@@ -116,6 +129,7 @@ class AgentStore:
         self._dbs: dict[bool, sqlite3.Connection] = {}  # persist → its database
         self._turns: dict[str, str] = {}  # agent id → the request answering its current turn
         self._turns_lock = threading.Lock()  # not ``_lock``: releasing a turn must not wait for SQLite
+        self.damaged: str | None = None  # why the file cannot be used (then every agents route is a 503)
 
     # ------------------------------------------------------------------ resource protocol
     def bind(self, resources: Mapping[str, Any]) -> None:
@@ -126,13 +140,26 @@ class AgentStore:
             self.models = ModelSet.from_resources(resources)
 
     async def start(self, device: DeviceThread) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        disk = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        disk.execute("PRAGMA journal_mode=WAL")
+        await trio.to_thread.run_sync(self._open)  # quick_check reads the whole file
+
+    def _open(self) -> None:
+        try:
+            disk = open_store(self.path, _SCHEMA, _TABLES)
+        except DamagedStore as exc:  # the server serves on; only the agents routes answer 503
+            self._set_damaged(exc.reason)
+            return
         memory = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
-        for db in (disk, memory):
-            db.executescript(_SCHEMA)
+        memory.executescript(_SCHEMA)
         self._dbs = {True: disk, False: memory}
+
+    def _set_damaged(self, reason: str) -> None:
+        self.damaged = reason
+        log.error("agent store %s cannot be used (%s): the agents API answers 503 until it is repaired; the file "
+                  "is left untouched. Stop flow and move it aside (a new store is created) or recover it with "
+                  "`sqlite3 FILE .recover`.", self.path, reason)
+
+    def unavailable(self) -> ApiError:
+        return unavailable_error("agents API", self.path, self.damaged or "not started", "agent_store")
 
     def close(self) -> None:
         with self._lock:
@@ -141,11 +168,16 @@ class AgentStore:
             self._dbs = {}
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            counts = {persist: db.execute("SELECT COUNT(*) FROM agents").fetchone()[0]
-                      for persist, db in self._dbs.items()}
-        return {"type": self.type_name, "agents": sum(counts.values()), "persisted": counts.get(True, 0),
-                "in_memory": counts.get(False, 0), "path": str(self.path)}
+        try:
+            with self._lock, self._guard():
+                counts = {persist: db.execute("SELECT COUNT(*) FROM agents").fetchone()[0]
+                          for persist, db in self._dbs.items()}
+        except ApiError as exc:  # /stats itself must answer
+            state = "damaged" if self.damaged is not None else "closed" if not self._dbs else "error"
+            return {"type": self.type_name, "state": state, "reason": self.damaged or exc.message,
+                    "path": str(self.path)}
+        return {"type": self.type_name, "state": "ok", "agents": sum(counts.values()),
+                "persisted": counts.get(True, 0), "in_memory": counts.get(False, 0), "path": str(self.path)}
 
     # ------------------------------------------------------------------ agents
     def model_name(self, model: str) -> str:
@@ -170,7 +202,7 @@ class AgentStore:
         return found
 
     def get(self, agent_id: str, *, history: bool = False) -> Agent | None:
-        with self._lock:
+        with self._lock, self._guard():
             for persist, db in self._dbs.items():
                 row = self._row(db, agent_id)
                 if row is not None:
@@ -178,7 +210,7 @@ class AgentStore:
         return None
 
     def agents(self) -> list[Agent]:
-        with self._lock:
+        with self._lock, self._guard():
             agents = [self._agent(db, row, persist, False) for persist, db in self._dbs.items()
                       for row in db.execute(f"SELECT {_COLUMNS} FROM agents")]
         return sorted(agents, key=lambda a: (a.created, a.id))
@@ -237,6 +269,8 @@ class AgentStore:
     def begin_turn(self, agent_id: str, request_id: str) -> None:
         """Mark the agent as answering a turn: a turn builds on the history the one before it leaves, so a
         second one while the first runs is a 409 (as a thread with an active run is in the Assistants API)."""
+        if self.damaged is not None:
+            raise self.unavailable()
         with self._turns_lock:
             running = self._turns.get(agent_id)
             if running is not None:
@@ -264,15 +298,35 @@ class AgentStore:
 
     # ------------------------------------------------------------------ internals
     @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """503 while the store is damaged; an SQLite error becomes a 503 too (and marks the store damaged
+        if it says the file is). Called with ``_lock`` held."""
+        if self.damaged is not None or not self._dbs:
+            raise self.unavailable()
+        try:
+            yield
+        except sqlite3.Error as exc:
+            damage = classify(exc)
+            if damage is None:
+                log.warning("agent store %s: %s: %s", self.path, type(exc).__name__, exc)
+                raise store_error("agents API", self.path, exc) from exc
+            self._set_damaged(damage)
+            raise self.unavailable() from exc
+
+    @contextmanager
     def _transaction(self) -> Iterator[dict[bool, sqlite3.Connection]]:
-        with self._lock:
+        with self._lock, self._guard():
             for db in self._dbs.values():
                 db.execute("BEGIN")
             try:
                 yield self._dbs
             except BaseException:
                 for db in self._dbs.values():
-                    db.execute("ROLLBACK")
+                    if db.in_transaction:
+                        try:
+                            db.execute("ROLLBACK")
+                        except sqlite3.Error:  # the first error is the one to report
+                            pass
                 raise
             for db in self._dbs.values():
                 db.execute("COMMIT")

@@ -62,6 +62,9 @@ def _not_found(agent_id: str) -> ApiError:
 # --------------------------------------------------------------------------- bodies
 
 
+MAX_CONTEXT = 2**31 - 1  # a context cap beyond any model's; larger ones overflow SQLite's INTEGER (a 500)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -70,7 +73,7 @@ class AgentCreateBody(_Strict):
     id: str | None = Field(default=None, pattern=AGENT_ID.pattern, description=AGENT_ID_RULE)
     model: str = Field(min_length=1)
     system_prompt: str = ""
-    max_context: int | None = Field(default=None, ge=16)
+    max_context: int | None = Field(default=None, ge=16, le=MAX_CONTEXT)
     context_overflow: ContextOverflow | None = None
     persist: bool = True
 
@@ -78,7 +81,7 @@ class AgentCreateBody(_Strict):
 class AgentPatchBody(_Strict):
     model: str | None = Field(default=None, min_length=1)
     system_prompt: str | None = None
-    max_context: int | None = Field(default=None, ge=16)
+    max_context: int | None = Field(default=None, ge=16, le=MAX_CONTEXT)
     context_overflow: ContextOverflow | None = None
     persist: bool | None = None
 
