@@ -4,10 +4,17 @@ Decode and format share one ``response_store`` resource: the format stage
 stores each finished response (unless the request said ``store: false``), the
 decode stage resolves ``previous_response_id`` from it, and the retrieve stage
 answers GET and DELETE by itself (it is its route's entry and exit).
+
+The store is an SQLite file, so its calls run on worker threads (a stored
+response is committed to disk before the client gets its last bytes). If the
+file is damaged, what needs it answers 503 ``unavailable`` before any
+generation: a request that would be stored or continues a stored one, GET and
+DELETE; ``store: false`` requests without ``previous_response_id`` still work.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, ClassVar
 
 import trio
@@ -44,12 +51,24 @@ class OpenAIResponsesDecode(ProtocolDecode):
         super().__init__(*args, **kwargs)
         self.store = _store(self.resources)
 
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
+        async for http in inbox:  # previous_response_id reads the store's file: off the event loop
+            await outbox.send(await trio.to_thread.run_sync(self.decode, http, int(time.time())))
+
     def _previous(self, response_id: str) -> tuple[Message, ...] | None:
         entry = self.store.get(response_id)
         return None if entry is None else entry.conversation
 
     def decode(self, http: HttpRequest, created: int) -> ChatRequest:
-        return openai_responses.decode_responses_request(http.body, http.request_id, created, self._previous)
+        request = openai_responses.decode_responses_request(http.body, http.request_id, created, self._previous)
+        if self.store.damaged is not None and _stored(request):
+            raise self.store.unavailable()  # now, not after generating an answer it cannot keep
+        return request
+
+
+def _stored(request: ChatRequest) -> bool:
+    stored: bool = request.extension(openai_responses.ECHO, {}).get("store", True)
+    return stored
 
 
 @register_stage
@@ -65,8 +84,9 @@ class OpenAIResponsesFormat(ProtocolFormat):
         self.store = _store(self.resources)
 
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
-        if result.request.extension(openai_responses.ECHO, {}).get("store", True):
-            self.store.put(body["id"], body, openai_responses.conversation_after(result))
+        if _stored(result.request):  # committed to disk before the client has the whole response
+            conversation = openai_responses.conversation_after(result)
+            await trio.to_thread.run_sync(self.store.put, body["id"], body, conversation)
 
 
 @register_stage
@@ -94,11 +114,11 @@ class OpenAIResponsesRetrieve(EntryStage[HttpRequest, WireFrame], ExitStage[Http
         async for http in inbox:
             response_id = http.param("response_id")
             if http.method == "DELETE":
-                if not self.store.delete(response_id):
+                if not await trio.to_thread.run_sync(self.store.delete, response_id):
                     raise self._not_found(response_id)
                 await outbox.send(json_frame({"id": response_id, "object": "response", "deleted": True}))
                 continue
-            entry = self.store.get(response_id)
+            entry = await trio.to_thread.run_sync(self.store.get, response_id)
             if entry is None:
                 raise self._not_found(response_id)
             await outbox.send(json_frame(entry.body))
