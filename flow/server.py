@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import resource
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,18 +33,20 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, request
+from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
+from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
-from flow.compiler import CompiledGraph, Route
+from flow.compiler import CompiledGraph
+from flow.guard import Guard
 from flow.resources import ModelResource
 from flow.metrics import Metric, Registry
 from flow.runner import RouteRunner
 from flow.stage import EdgeStats, ExitStage, Outbox, Stage
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
-from protocols.openai_chat import error_body as openai_error_body
+from protocols.limits import CHARS_PER_TOKEN
 from protocols.sse import dumps
 from runtime.device import DeviceThread, shared_device
 
@@ -80,6 +83,11 @@ class FlowServer:
         self.requests_total = 0
         self.requests_failed = 0
         self.requests_active = 0
+        # Graceful stop: a signal (or the embedding's trigger) starts draining; requests still running when
+        # the grace period ends are cancelled and end with ``stop_error`` in their protocol's shape.
+        self.draining = trio.Event()
+        self.stop_error: ApiError | None = None
+        self._runs: set[trio.CancelScope] = set()
         self.metrics = Registry()
         self._requests = self.metrics.counter("flow_requests_total", "Requests by route and response status.")
         self._duration = self.metrics.histogram("flow_request_duration_seconds", "Whole request time by route.")
@@ -121,9 +129,10 @@ class FlowServer:
         self.requests_active += 1
         started = time.perf_counter()
         outbox: Outbox[WireFrame] = Outbox([send.clone()])
+        self._runs.add(scope)
         try:
-            with scope:
-                async with send:
+            async with send:
+                with scope:
                     try:
                         await runner.run(http, outbox)
                     except BaseException as raw:
@@ -132,18 +141,71 @@ class FlowServer:
                             raise
                         error = exc if isinstance(exc, ApiError) else None
                         if error is None:
-                            log.exception("request %s failed", http.request_id, exc_info=exc)
-                            error = ApiError("internal", f"Internal error while generating: {type(exc).__name__}: {exc}")
+                            # A server fault: the details go to the log under the request id, not to the client.
+                            log.error("request %s (%s %s) failed", http.request_id, http.method, http.path,
+                                      exc_info=exc)
+                            error = ApiError("internal", f"Internal server error (request id {http.request_id}); "
+                                             "the server log has the details.")
                         if error.status >= 500:
                             self.requests_failed += 1
                         frames = exit_cls.error_frames(error) if outbox.sent else [exit_cls.error_response(error)]
                         for frame in frames:
                             await send.send(frame)
+                if scope.cancelled_caught and self.stop_error is not None:
+                    # Cancelled by the end of a graceful stop: the client learns why, in its protocol.
+                    error = self.stop_error
+                    frames = exit_cls.error_frames(error) if outbox.sent else [exit_cls.error_response(error)]
+                    with trio.move_on_after(2):
+                        for frame in frames:
+                            try:
+                                await send.send(frame)
+                            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                break
         finally:
+            self._runs.discard(scope)
             self.requests_active -= 1
             self._duration.observe(time.perf_counter() - started, route=f"{runner.route.method} {runner.route.path}")
 
+    # ------------------------------------------------------------------ graceful stop
+    def begin_drain(self, grace: float) -> None:
+        if not self.draining.is_set():
+            log.info("stopping: no new requests; %d in flight get %g s to finish", self.requests_active, grace)
+            self.draining.set()
+
+    def end_requests(self) -> None:
+        """Cancel every request still running; each ends with the stop error in its protocol's shape."""
+        self.stop_error = ApiError("overloaded", "The server is shutting down; retry shortly.", retry_after=5)
+        if self._runs:
+            log.info("stopping: ending %d requests still running", len(self._runs))
+        for scope in list(self._runs):
+            scope.cancel()
+
+    async def drain(self, grace: float) -> None:
+        """Once draining begins, give running requests ``grace`` seconds, then end them."""
+        await self.draining.wait()
+        with trio.move_on_after(grace):
+            while self._runs:
+                await trio.sleep(0.05)
+        self.end_requests()
+
+    def body_limit(self) -> int:
+        """The largest request body accepted: the graph's ``server.max_body_bytes``, or derived from the
+        served models' context (what the largest one could accept as text, with room for JSON escapes and
+        tool definitions), between 1 and 64 MiB. Unloaded models count as the maximum."""
+        configured = self.graph.spec.server.max_body_bytes
+        if configured is not None:
+            return configured
+        ceiling = 64 << 20
+        if not self.models or any(m.loaded is None for m in self.models):
+            return ceiling
+        largest = max(m.loaded.context_length for m in self.models if m.loaded is not None)
+        return max(1 << 20, min(ceiling, 4 * largest * CHARS_PER_TOKEN + (1 << 20)))
+
     async def respond(self, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery) -> Response:
+        if self.draining.is_set():
+            frame = self.exit_class(runner.route.exit).error_response(
+                ApiError("overloaded", "The server is shutting down; retry shortly.", retry_after=5))
+            return Response(frame.data, status=frame.status, headers=Headers([*frame.headers, ("connection", "close")]))
         send, receive = trio.open_memory_channel[WireFrame](64)
         scope = trio.CancelScope()
         route = f"{runner.route.method} {runner.route.path}"
@@ -158,7 +220,7 @@ class FlowServer:
         self._requests.inc(route=route, status=str(first.status))
         if not first.streaming:
             receive.close()
-            return Response(first.data, status=first.status, headers=list(first.headers))
+            return Response(first.data, status=first.status, headers=Headers(list(first.headers)))
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -169,9 +231,35 @@ class FlowServer:
                 scope.cancel()  # the client left, or the stream is over
                 receive.close()
 
-        response = Response(body(), status=first.status, headers=list(first.headers))
+        response = Response(body(), status=first.status, headers=Headers(list(first.headers)))
         response.timeout = None
         return response
+
+    # ------------------------------------------------------------------ error shapes
+    def exit_class(self, stage_id: str) -> type[ExitStage[Any, Any]]:
+        return self.graph.stages[stage_id].cls  # type: ignore[return-value]
+
+    def exit_for_path(self, path: str) -> type[ExitStage[Any, Any]]:
+        """The exit stage whose protocol an error on ``path`` is written in: the route whose fixed part is
+        the longest prefix of the path (``/v1/messages/batches`` → Anthropic), else OpenAI chat's."""
+        best: tuple[int, str] | None = None
+        for route in self.graph.routes:
+            fixed = route.path.split("{", 1)[0].rstrip("/")
+            if path == fixed or path.startswith(fixed + "/"):
+                if best is None or len(fixed) > best[0]:
+                    best = (len(fixed), route.exit)
+        if best is not None:
+            return self.exit_class(best[1])
+        from stages.openai_chat import OpenAIChatFormat  # the shape most clients expect
+
+        return OpenAIChatFormat
+
+    def error_response(self, path: str, error: ApiError, *, close: bool = False) -> Response:
+        """An error the shell answers itself, in the protocol of ``path``; ``close`` when the request body may
+        still be on its way (the connection cannot be reused: its next bytes are that body)."""
+        frame = self.exit_for_path(path).error_response(error)
+        headers = [*frame.headers, *([("connection", "close")] if close else [])]
+        return Response(frame.data, status=frame.status, headers=Headers(headers))
 
     # ------------------------------------------------------------------ info endpoints
     def models_json(self) -> dict[str, Any]:
@@ -274,8 +362,8 @@ class FlowServer:
     def _model_health(model: ModelResource) -> dict[str, Any]:
         out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
                                "state": model.state, "family": model.family.name}
-        if model.loaded is not None:
-            out.update(path=str(model.loaded.path), smoke_test=model.loaded.smoke_test,
+        if model.loaded is not None:  # no paths: /health needs no key
+            out.update(smoke_test=model.loaded.smoke_test,
                        context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,
                        engine=model.loaded.engine.stats_json())
         return out
@@ -285,21 +373,34 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(dumps(obj), status=status, content_type="application/json")
 
 
-def create_app(server: FlowServer) -> QuartTrio:
+def create_app(server: FlowServer, guard: Guard) -> QuartTrio:
+    spec = server.graph.spec.server
     app = QuartTrio("flow")
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=120, MAX_CONTENT_LENGTH=server.graph.spec.server.max_body_bytes)
-    api_key = server.graph.spec.server.api_key
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=spec.body_timeout_seconds,
+                      MAX_CONTENT_LENGTH=server.body_limit())
+
+    @app.before_request
+    async def _guard() -> Response | None:
+        """Host, origin, key and content type: checked before routing, so an unknown route or method tells
+        an unauthenticated client nothing, and before the body is read (the connection is then closed)."""
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # RFC 9112 §6.1: a request with both may be smuggling one inside the other; never reuse it.
+            return server.error_response(request.path, ApiError(
+                "invalid_request", "The request has both Content-Length and Transfer-Encoding."), close=True)
+        try:
+            guard.check(request.method, request.path, headers)
+        except ApiError as error:
+            return server.error_response(request.path, error, close=True)
+        return None
 
     def route_view(runner: RouteRunner) -> Callable[[], Awaitable[Response]]:
-        exit_cls: type[ExitStage[Any, Any]] = server.graph.stages[runner.route.exit].cls  # type: ignore[assignment]
-
         async def view(**params: str) -> Response:
-            if api_key is not None and not _key_ok(api_key):
-                frame = exit_cls.error_response(ApiError("authentication", "Invalid or missing API key."))
-                return Response(frame.data, status=frame.status, headers=list(frame.headers))
+            body = await request.get_data(cache=False, as_text=False)
+            assert isinstance(body, bytes)
             http = HttpRequest(
                 method=request.method, path=request.path, query=request.query_string.decode("latin-1"),
-                headers=tuple(request.headers.items()), body=await request.get_data(cache=False),
+                headers=tuple(request.headers.items()), body=body,
                 request_id=uuid.uuid4().hex[:24], params=tuple(params.items()),
             )
             return await server.respond(runner, http, app.nursery)
@@ -337,22 +438,37 @@ def create_app(server: FlowServer) -> QuartTrio:
         for entry in server.models_json()["data"]:
             if entry["id"] == model_id:
                 return _json(entry)
-        error = ApiError("not_found", f"The model {model_id!r} does not exist on this server.", param="model",
-                         code="model_not_found")
-        return Response(openai_error_body(error), status=404, content_type="application/json")
+        return server.error_response(request.path, ApiError(
+            "not_found", f"The model {model_id!r} does not exist on this server.", param="model",
+            code="model_not_found"))
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        kind = kinds.get(exc.code or 500, "invalid_request" if (exc.code or 500) < 500 else "internal")
+        code = exc.code or 500
+        if not has_request_context():  # a WebSocket: it has no HTTP request to answer
+            return Response(b"", status=code)
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 408: "invalid_request"}
+        kind = kinds.get(code, "invalid_request" if code < 500 else "internal")
         message = {
             404: f"No route {request.method} {request.path}. Routes: "
                  + ", ".join(f"{m} {p}" for m, p in sorted(server.runners)) + ", GET /v1/models, GET /health.",
             405: f"{request.method} is not allowed on {request.path}.",
-            413: f"The request body is larger than {server.graph.spec.server.max_body_bytes} bytes.",
-        }.get(exc.code or 500, exc.description or "error")
-        error = ApiError(kind, message)  # type: ignore[arg-type]
-        return Response(openai_error_body(error), status=exc.code or 500, content_type="application/json")
+            413: f"The request body is larger than {server.body_limit()} bytes, more than the served models' "
+                 "context can take.",
+            408: f"The request body did not arrive within {spec.body_timeout_seconds:g} seconds.",
+        }.get(code, exc.description or "error")
+        # Routing and size errors come before the body is read: the connection cannot carry another request.
+        return server.error_response(request.path, ApiError(kind, message), close=True)  # type: ignore[arg-type]
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        request_id = uuid.uuid4().hex[:24]
+        log.error("unexpected error %s", request_id, exc_info=exc)
+        error = ApiError("internal", f"Internal server error (request id {request_id}); the server log has "
+                         "the details.")
+        if not has_request_context():
+            return Response(b"", status=500)
+        return server.error_response(request.path, error, close=True)
 
     @app.after_serving
     async def _close() -> None:
@@ -364,14 +480,6 @@ def create_app(server: FlowServer) -> QuartTrio:
 def quart_rule(path: str) -> str:
     """Graph routes write path parameters as ``{name}``; Quart wants ``<name>``."""
     return re.sub(r"\{(\w+)\}", r"<\1>", path)
-
-
-def _key_ok(expected: str) -> bool:
-    given = request.headers.get("x-api-key")
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        given = given or auth[7:].strip()
-    return given == expected
 
 
 def raise_open_file_limit() -> int:
@@ -401,13 +509,27 @@ def raise_open_file_limit() -> int:
     return soft
 
 
+async def _signalled(server: FlowServer, grace: float) -> None:
+    """SIGTERM (systemd, ``docker stop``) and SIGINT drain alike; a second signal ends the requests now."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            if server.draining.is_set():
+                server.end_requests()
+                return
+            log.info("received %s", signal.Signals(signum).name)
+            server.begin_drain(grace)
+
+
 async def serve(server: FlowServer, host: str, port: int, *,
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Load the graph's resources, then serve HTTP until ``shutdown_trigger`` returns."""
+    """Load the graph's resources, then serve HTTP until a signal (or ``shutdown_trigger``) stops it:
+    no new requests, the running ones get ``server.shutdown_grace_seconds`` to finish, then end with an
+    error event in their protocol; resources close last (the disk tier flushes its writes)."""
     raise_open_file_limit()  # one descriptor per open connection
     await server.start()
-    app = create_app(server)
+    spec = server.graph.spec.server
+    app = create_app(server, Guard(host, spec.allowed_hosts, spec.api_key))
 
     @app.before_serving
     async def _duties() -> None:
@@ -420,8 +542,25 @@ async def serve(server: FlowServer, host: str, port: int, *,
     # the kernel caps it at net.core.somaxconn (kern.ipc.somaxconn on macOS).
     config.backlog = 2048
     config.worker_class = "trio"
-    config.keep_alive_timeout = 75
-    config.graceful_timeout = 5
+    # A connection with no request in progress — idle, or still sending its request's headers (a
+    # slowloris) — is closed after this; bodies have their own deadline (body_timeout_seconds).
+    config.keep_alive_timeout = spec.idle_timeout_seconds
+    config.graceful_timeout = spec.shutdown_grace_seconds + 5  # room for the last requests' error events
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root logger's
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)  # type: ignore[arg-type]
+    grace = spec.shutdown_grace_seconds
+
+    async def triggered() -> None:
+        assert shutdown_trigger is not None
+        await shutdown_trigger()
+        server.begin_drain(grace)
+
+    async with trio.open_nursery() as nursery:
+        if shutdown_trigger is None:
+            nursery.start_soon(_signalled, server, grace)
+        else:
+            nursery.start_soon(triggered)
+        nursery.start_soon(server.drain, grace)
+        await hypercorn_serve(app, config, shutdown_trigger=server.draining.wait,
+                              task_status=task_status)
+        nursery.cancel_scope.cancel()

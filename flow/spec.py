@@ -35,7 +35,15 @@ class ServerSpec(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     api_key: str | None = None
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    allowed_hosts: list[str] = Field(
+        default_factory=list, description="on a loopback bind, Host names served besides localhost/127.x/[::1]")
+    max_body_bytes: int | None = Field(
+        default=None, ge=1024, description="largest request body (default: from the models' context, 1-64 MiB)")
+    idle_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="a connection idle or still sending its headers is closed after this")
+    body_timeout_seconds: float = Field(default=60.0, gt=0, description="a request body must arrive within this")
+    shutdown_grace_seconds: float = Field(
+        default=30.0, ge=0, description="on SIGTERM/SIGINT, time running requests get to finish")
 
 
 class GraphSpec(BaseModel):

@@ -142,7 +142,8 @@ def test_errors_come_in_the_openai_shape(server: RunningServer) -> None:
                         "context_overflow")
     missing = assert_openai_error(api(server, "POST", "/agents", {"model": "nope"}), 404, "model", "nope")
     assert missing["code"] == "model_not_found"
-    bad_json = httpx.post(server.url + "/agents", content=b"{not json", timeout=30)
+    bad_json = httpx.post(server.url + "/agents", content=b"{not json", timeout=30,
+                          headers={"content-type": "application/json"})
     assert_openai_error(bad_json, 400, None, "not valid JSON")
 
     unknown = api(server, "POST", "/agents/ghost/generate", {"messages": [{"role": "user", "content": "hi"}]})
