@@ -23,7 +23,6 @@ cannot write) leaves the cache in memory only, with the reason in ``/stats``.
 from __future__ import annotations
 
 import logging
-import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -84,7 +83,7 @@ class PrefixCacheResource:
         if self.config.disk:
             try:
                 self.cache.disk = await trio.to_thread.run_sync(self._open_disk)
-            except (OSError, sqlite3.Error) as exc:  # a cache: serve without it rather than not at all
+            except Exception as exc:  # a cache: serve without it rather than not at all
                 self.disk_error = f"{type(exc).__name__}: {exc}"
                 log.warning("prefix cache: no disk tier in %s (%s); blocks stay in memory only", self.directory,
                             self.disk_error)

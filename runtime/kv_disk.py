@@ -151,7 +151,7 @@ class DiskTier:
         private_dir(directory / "blocks", ours=True)
         try:
             self._reconcile()
-        except sqlite3.DatabaseError as exc:  # a cache: set the index aside and start cold
+        except (sqlite3.DatabaseError, ValueError, TypeError) as exc:  # a cache: set it aside, start cold
             if getattr(exc, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED"):
                 raise  # in use by another process, not damaged
             self._set_aside(exc)
@@ -269,7 +269,7 @@ class DiskTier:
             raise
         return db
 
-    def _set_aside(self, exc: sqlite3.DatabaseError) -> None:
+    def _set_aside(self, exc: Exception) -> None:
         """Move a damaged index (and its -wal/-shm) out of the way; forget what it said. Raises OSError if
         it cannot be moved (the prefix cache then runs without its disk tier)."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -313,7 +313,8 @@ class DiskTier:
 
     def _reconcile(self) -> None:
         """Load the index, keeping only rows whose file is there with the recorded size and not expired
-        (sqlite3.DatabaseError: the index is damaged)."""
+        (sqlite3.DatabaseError, or ValueError/TypeError from a row that is not what was written: the index
+        is damaged)."""
         now = time.time()
         db = self._connect()
         try:
