@@ -38,6 +38,7 @@ from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
+from flow import hypercorn_fixes
 from flow.compiler import CompiledGraph
 from flow.guard import Guard
 from flow.resources import ModelResource
@@ -527,6 +528,7 @@ async def serve(server: FlowServer, host: str, port: int, *,
     no new requests, the running ones get ``server.shutdown_grace_seconds`` to finish, then end with an
     error event in their protocol; resources close last (the disk tier flushes its writes)."""
     raise_open_file_limit()  # one descriptor per open connection
+    hypercorn_fixes.apply()
     await server.start()
     spec = server.graph.spec.server
     app = create_app(server, Guard(host, spec.allowed_hosts, spec.api_key))
