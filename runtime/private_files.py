@@ -94,5 +94,5 @@ def _chmod(path: Path, mode: int) -> None:
         return
     try:
         os.chmod(path, mode)
-    except PermissionError as exc:  # another user's file: say so, but it is no reason not to serve
+    except OSError as exc:  # another user's file, a read-only file system: say so, but serve on
         log.warning("cannot make %s private (mode %o): %s", path, mode, exc)
