@@ -1,13 +1,21 @@
 """A fix to hypercorn's trio TCP server, applied when flow serves.
 
-When a response ends a connection (``Connection: close``, or an error before the
-request's body was read), hypercorn closes the socket from inside the ASGI app's
-own task, and quart-trio cancels that task's nursery as soon as the response is
-sent. The cancellation lands on ``send_eof``'s checkpoint, before ``aclose``: the
-socket stays open, h11 refuses whatever the client sends next, and the client
-waits for an answer that never comes (a wedged keep-alive connection). Closing
-must finish whatever cancels the task that asked for it, so it is shielded — as
-hypercorn already shields the close of an idle connection.
+hypercorn's HTTP/1.1 protocol tells its TCP server what to do next — close the
+connection (``Connection: close``, an error before the request's body was read),
+or start the keep-alive idle timer once a response is done — from inside the
+ASGI app's own task, and quart-trio cancels that task's nursery as soon as the
+response is sent. The cancellation lands on the first checkpoint of that work:
+
+* a close stops at ``send_eof``, before ``aclose``: the socket stays open, h11
+  refuses what the client sends next, and the client waits for an answer that
+  never comes (a wedged connection);
+* the idle timer is never started: a kept-alive connection after its first
+  request never times out (a slowloris holds it forever) and holds up a
+  graceful stop until its deadline.
+
+What the protocol asks of the TCP server must be done whatever cancels the
+task that asked, so it is shielded — as hypercorn already shields the close of
+an idle connection and the sending of data.
 """
 
 from __future__ import annotations
@@ -15,16 +23,17 @@ from __future__ import annotations
 from typing import Any
 
 import trio
+from hypercorn.events import Event
 from hypercorn.trio.tcp_server import TCPServer
 
-_original_close = TCPServer._close
+_original_protocol_send = TCPServer.protocol_send
 
 
-async def _shielded_close(self: Any) -> None:
+async def _shielded_protocol_send(self: Any, event: Event) -> None:
     with trio.CancelScope(shield=True):
-        await _original_close(self)
+        await _original_protocol_send(self, event)
 
 
 def apply() -> None:
     """Idempotent."""
-    TCPServer._close = _shielded_close  # type: ignore[method-assign]
+    TCPServer.protocol_send = _shielded_protocol_send  # type: ignore[method-assign]

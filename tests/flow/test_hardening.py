@@ -276,12 +276,16 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server: Run
     assert received.startswith(b"HTTP/1.1 400") and received.count(b"HTTP/1.1") == 1
 
 
-def test_slow_headers_are_cut_off(keyed: RunningServer) -> None:
-    """idle_timeout_seconds = 2 in this graph: a client trickling its headers is disconnected."""
-    trickle = [b"GET /health HTTP/1.1\r\n"] + [b"X-Slow: %d\r\n" % i for i in range(40)]
+@pytest.mark.parametrize("after_a_request", [False, True])
+def test_slow_headers_are_cut_off(keyed: RunningServer, after_a_request: bool) -> None:
+    """idle_timeout_seconds = 2 in this graph: a client trickling its headers is disconnected, also on a
+    kept-alive connection after its first request (hypercorn's idle timer was never restarted there)."""
+    first = [b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"] if after_a_request else []
+    trickle = [*first, b"GET /health HTTP/1.1\r\n"] + [b"X-Slow: %d\r\n" % i for i in range(40)]
     started = time.monotonic()
-    raw_exchange(keyed, *trickle, gap=0.25, read_for=15)
+    received = raw_exchange(keyed, *trickle, gap=0.25, read_for=15)
     assert time.monotonic() - started < 9
+    assert received.count(b"HTTP/1.1 200") == int(after_a_request)
 
 
 def test_anthropic_routes_answer_shell_errors_in_their_shape(server: RunningServer) -> None:
