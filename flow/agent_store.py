@@ -51,7 +51,7 @@ import trio
 from pydantic import Field
 
 from flow.capabilities import data_dir
-from flow.data_files import DamagedStore, classify, open_store, store_error, unavailable_error
+from flow.data_files import DamagedStore, StoreState, open_store
 from flow.prefix import PrefixCacheResource
 from flow.registry import register_resource
 from flow.resources import ModelResource, ModelSet, ResourceConfig
@@ -129,7 +129,7 @@ class AgentStore:
         self._dbs: dict[bool, sqlite3.Connection] = {}  # persist → its database
         self._turns: dict[str, str] = {}  # agent id → the request answering its current turn
         self._turns_lock = threading.Lock()  # not ``_lock``: releasing a turn must not wait for SQLite
-        self.damaged: str | None = None  # why the file cannot be used (then every agents route is a 503)
+        self.state = StoreState("agents API", self.path, "agent_store")  # damaged: every agents route is a 503
 
     # ------------------------------------------------------------------ resource protocol
     def bind(self, resources: Mapping[str, Any]) -> None:
@@ -146,30 +146,30 @@ class AgentStore:
         try:
             disk = open_store(self.path, _SCHEMA, _TABLES)
         except DamagedStore as exc:  # the server serves on; only the agents routes answer 503
-            self._set_damaged(exc.reason)
+            self.state.set_damaged(exc.reason)
             return
         memory = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         memory.executescript(_SCHEMA)
         self._dbs = {True: disk, False: memory}
+        self.state.open = True
 
-    def _set_damaged(self, reason: str) -> None:
-        self.damaged = reason
-        log.error("agent store %s cannot be used (%s): the agents API answers 503 until it is repaired; the file "
-                  "is left untouched. Stop flow and move it aside (a new store is created) or recover it with "
-                  "`sqlite3 FILE .recover`.", self.path, reason)
+    @property
+    def damaged(self) -> str | None:
+        return self.state.damaged
 
     def unavailable(self) -> ApiError:
-        return unavailable_error("agents API", self.path, self.damaged or "not started", "agent_store")
+        return self.state.unavailable()
 
     def close(self) -> None:
         with self._lock:
             for db in self._dbs.values():
                 db.close()
             self._dbs = {}
+            self.state.open = False
 
     def stats(self) -> dict[str, Any]:
         try:
-            with self._lock, self._guard():
+            with self._lock, self.state.guard():
                 counts = {persist: db.execute("SELECT COUNT(*) FROM agents").fetchone()[0]
                           for persist, db in self._dbs.items()}
         except ApiError as exc:  # /stats itself must answer
@@ -202,7 +202,7 @@ class AgentStore:
         return found
 
     def get(self, agent_id: str, *, history: bool = False) -> Agent | None:
-        with self._lock, self._guard():
+        with self._lock, self.state.guard():
             for persist, db in self._dbs.items():
                 row = self._row(db, agent_id)
                 if row is not None:
@@ -210,7 +210,7 @@ class AgentStore:
         return None
 
     def agents(self) -> list[Agent]:
-        with self._lock, self._guard():
+        with self._lock, self.state.guard():
             agents = [self._agent(db, row, persist, False) for persist, db in self._dbs.items()
                       for row in db.execute(f"SELECT {_COLUMNS} FROM agents")]
         return sorted(agents, key=lambda a: (a.created, a.id))
@@ -298,24 +298,8 @@ class AgentStore:
 
     # ------------------------------------------------------------------ internals
     @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """503 while the store is damaged; an SQLite error becomes a 503 too (and marks the store damaged
-        if it says the file is). Called with ``_lock`` held."""
-        if self.damaged is not None or not self._dbs:
-            raise self.unavailable()
-        try:
-            yield
-        except sqlite3.Error as exc:
-            damage = classify(exc)
-            if damage is None:
-                log.warning("agent store %s: %s: %s", self.path, type(exc).__name__, exc)
-                raise store_error("agents API", self.path, exc) from exc
-            self._set_damaged(damage)
-            raise self.unavailable() from exc
-
-    @contextmanager
     def _transaction(self) -> Iterator[dict[bool, sqlite3.Connection]]:
-        with self._lock, self._guard():
+        with self._lock, self.state.guard():
             for db in self._dbs.values():
                 db.execute("BEGIN")
             try:

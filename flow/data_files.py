@@ -23,12 +23,16 @@ At run time, :func:`classify` tells the errors that mean the file is damaged
 
 from __future__ import annotations
 
+import logging
 import sqlite3
-from collections.abc import Mapping, Set
+from collections.abc import Iterator, Mapping, Set
+from contextlib import contextmanager
 from pathlib import Path
 
 from flow.capabilities import private_data_file
 from protocols.errors import ApiError
+
+log = logging.getLogger("flow.data_files")
 
 DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB"})  # the file itself is bad: it stays bad until repaired
 
@@ -111,3 +115,40 @@ def store_error(what: str, path: Path, exc: sqlite3.Error) -> ApiError:
     """The 503 for an SQLite error that does not mean the file is damaged (a full disk, a lock)."""
     return ApiError("unavailable", f"The {what} could not use its file {path} ({type(exc).__name__}: {exc}); "
                     "the request changed nothing. Check the disk it is on.", code="store_error")
+
+
+class StoreState:
+    """Whether a store's file can be used, and the errors its routes get when it cannot.
+
+    ``what`` names what the file serves (for messages), ``resource`` the resource type (for the recovery
+    hint), ``works`` what still works without it."""
+
+    def __init__(self, what: str, path: Path, resource: str, works: str = "") -> None:
+        self.what, self.path, self.resource, self.works = what, path, resource, works
+        self.damaged: str | None = None  # why the file cannot be used
+        self.open = False
+
+    def set_damaged(self, reason: str) -> None:
+        self.damaged = reason
+        log.error("%s: %s cannot be used (%s); it answers 503 until the file is repaired, and the file is left "
+                  "untouched. Stop flow and move it aside (a new store is created) or recover it with "
+                  "`sqlite3 FILE .recover`.", self.path, self.what, reason)
+
+    def unavailable(self) -> ApiError:
+        return unavailable_error(self.what, self.path, self.damaged or "not started", self.resource, self.works)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """503 while the file is damaged or not open; an SQLite error becomes a 503 too (and marks the file
+        damaged if the error says it is)."""
+        if self.damaged is not None or not self.open:
+            raise self.unavailable()
+        try:
+            yield
+        except sqlite3.Error as exc:
+            damage = classify(exc)
+            if damage is None:
+                log.warning("%s: %s: %s: %s", self.path, self.what, type(exc).__name__, exc)
+                raise store_error(self.what, self.path, exc) from exc
+            self.set_damaged(damage)
+            raise self.unavailable() from exc

@@ -44,7 +44,7 @@ import trio
 from pydantic import Field
 
 from flow.capabilities import data_dir
-from flow.data_files import DamagedStore, classify, open_store, store_error, unavailable_error
+from flow.data_files import DamagedStore, StoreState, open_store
 from flow.registry import register_resource
 from flow.resources import ResourceConfig
 from protocols.errors import ApiError
@@ -106,7 +106,9 @@ class ResponseStore:
         self._bytes = 0
         self._next_sweep = 0.0
         self._lock = threading.Lock()  # stages call in from trio and from worker threads
-        self.damaged: str | None = None  # why the file cannot be used (then its routes answer 503)
+        # Damaged: its routes answer 503.
+        self.state = StoreState(WHAT, self.path, "response_store",
+                                "Requests with store=false and no previous_response_id still work.")
         self.counters = {"stored": 0, "hits": 0, "misses": 0, "evicted": 0, "expired": 0}
 
     # ------------------------------------------------------------------ resource protocol
@@ -117,17 +119,18 @@ class ResponseStore:
         try:
             db = open_store(self.path, _SCHEMA, _TABLES)
         except DamagedStore as exc:  # the server serves on; only what needs the store answers 503
-            self._set_damaged(exc.reason)
+            self.state.set_damaged(exc.reason)
             return
         with self._lock:
             self._db = db
+            self.state.open = True
             try:
-                with self._guard():
+                with self.state.guard():
                     for rid, size, expires in db.execute(
                             "SELECT id, size, expires FROM responses ORDER BY last_used"):
                         self._index[rid] = _Entry(size, expires)
                         self._bytes += size
-                with self._guard(), self._write(db):
+                with self.state.guard(), self._write(db):
                     self._sweep(db, time.time())
                     self._evict(db, self._victims(None))  # the cap may have been lowered since
             except ApiError:  # logged by _guard; the server starts all the same
@@ -145,6 +148,7 @@ class ResponseStore:
                 log.warning("response store %s: last uses not saved (%s)", self.path, exc)
             self._db.close()
             self._db = None
+            self.state.open = False
 
     def stats(self) -> dict[str, Any]:
         if self.damaged is not None or self._db is None:
@@ -155,9 +159,12 @@ class ResponseStore:
                     "max_bytes": self.config.max_bytes, "ttl_seconds": self.config.ttl_seconds,
                     "path": str(self.path), **self.counters}
 
+    @property
+    def damaged(self) -> str | None:
+        return self.state.damaged
+
     def unavailable(self) -> ApiError:
-        return unavailable_error(WHAT, self.path, self.damaged or "not started", "response_store",
-                                 "Requests with store=false and no previous_response_id still work.")
+        return self.state.unavailable()
 
     # ------------------------------------------------------------------ entries
     def put(self, response_id: str, body: dict[str, Any], conversation: tuple[Message, ...]) -> None:
@@ -167,7 +174,7 @@ class ResponseStore:
         size = len(body_json) + len(conversation_json)
         now = time.time()
         expires = now + self.config.ttl_seconds
-        with self._lock, self._guard():
+        with self._lock, self.state.guard():
             assert self._db is not None
             with self._write(self._db) as db:
                 if now >= self._next_sweep:
@@ -183,7 +190,7 @@ class ResponseStore:
             self.counters["stored"] += 1
 
     def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock, self._guard():
+        with self._lock, self.state.guard():
             assert self._db is not None
             # The row, not just the index: another flow process on the same file may have stored it.
             row = self._db.execute("SELECT body, conversation, size, expires FROM responses WHERE id = ?",
@@ -210,7 +217,7 @@ class ResponseStore:
                            f"({type(exc).__name__}: {exc}).", param="response_id", code="store_error") from exc
 
     def delete(self, response_id: str) -> bool:
-        with self._lock, self._guard():
+        with self._lock, self.state.guard():
             assert self._db is not None
             with self._write(self._db) as db:
                 gone = db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
@@ -218,27 +225,6 @@ class ResponseStore:
             return gone
 
     # ------------------------------------------------------------------ internals (lock held)
-    def _set_damaged(self, reason: str) -> None:
-        self.damaged = reason
-        log.error("response store %s cannot be used (%s): store=true, previous_response_id and GET/DELETE "
-                  "/v1/responses answer 503 until it is repaired; the file is left untouched.", self.path, reason)
-
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        """503 while the store is damaged; an SQLite error becomes a 503 too (and marks the store damaged
-        if it says the file is)."""
-        if self.damaged is not None or self._db is None:
-            raise self.unavailable()
-        try:
-            yield
-        except sqlite3.Error as exc:
-            damage = classify(exc)
-            if damage is None:
-                log.warning("response store %s: %s: %s", self.path, type(exc).__name__, exc)
-                raise store_error(WHAT, self.path, exc) from exc
-            self._set_damaged(damage)
-            raise self.unavailable() from exc
-
     @staticmethod
     @contextmanager
     def _write(db: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
