@@ -57,8 +57,15 @@ sequence finishes (read from its batch row before the row is dropped).
 
 The decoded tokens of a step go to trio in **one** ``run_sync_soon`` crossing
 per trio run, before any prefill work of the step (a sequence that fails in
-prefill is told at the end of the step). A cancelled sequence leaves at the
-start of the next step, wherever it is.
+prefill is told at the end of the step).
+
+A cancelled sequence (its client left) leaves at its next chunk boundary,
+wherever it is: cancellations are applied at the start of every step *and*
+before every prefill pass within one (a step may prefill parts of several
+prompts), so it costs at most the pass that was running when it was
+cancelled — never the rest of its prompt, nor someone else's chunk — and its
+own cache is dropped then. The blocks of the chunks it did finish stay in the
+prefix cache (a client that gave up on a long prompt often retries it).
 
 Scheduling (``EngineConfig.strategy``), per step:
 
@@ -319,12 +326,20 @@ class Engine:
     async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy()) -> PrefixHit | None:
         """The prefix cache's longest match for ``prompt`` (None without a cache); pass it to :meth:`submit`.
 
-        Runs on a worker thread: a warm match reads its blocks from disk.
+        Runs on a worker thread: a warm match reads its blocks from disk. The thread cannot be abandoned, so
+        a caller cancelled meanwhile (its client left) gets :class:`trio.Cancelled` once the match is done,
+        with the hit released: it must not go on to submit a sequence nobody waits for.
         """
         if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
             return None
-        hit = await trio.to_thread.run_sync(self.prefix.match, self.namespace, prompt, self.windows,
+        prefix = self.prefix
+        hit = await trio.to_thread.run_sync(prefix.match, self.namespace, prompt, self.windows,
                                             policy.ttl_seconds)
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            prefix.release(hit)
+            raise
         return hit if hit.blocks else None
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
@@ -497,17 +512,30 @@ class Engine:
         with self._lock:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
+        self._drop_cancelled()
+
+    def _drop_cancelled(self, started: _Rows | None = None) -> None:
+        """Drop the sequences cancelled so far, wherever they are (also from ``started``: rows just prefilled
+        together, about to run their first tokens); their KV memory goes with them.
+
+        Runs at the start of every step and before every pass of prefill work within one, so a cancelled
+        sequence costs at most the pass that was running when it was cancelled."""
+        with self._lock:
+            if not self._cancelled:
+                return
             cancelled, self._cancelled = self._cancelled, set()
-        if not cancelled:
-            return
-        gone = 0
-        kept = [s for s in self._waiting if s.handle.id not in cancelled]
-        for seq in self._waiting:
-            if seq.handle.id in cancelled:
-                self._drop_hit(seq)
-        gone += len(self._waiting) - len(kept)
-        self._waiting = deque(kept)  # dropped sequences take their own caches with them
-        for rows in [*self._ready, self._batch]:
+            # Within a step, sequences submitted since its start are still in the inbox: they leave from there.
+            dropped = [s for s in self._inbox if s.handle.id in cancelled]
+            if dropped:
+                self._inbox = deque(s for s in self._inbox if s.handle.id not in cancelled)
+        if any(s.handle.id in cancelled for s in self._waiting):
+            dropped += [s for s in self._waiting if s.handle.id in cancelled]
+            self._waiting = deque(s for s in self._waiting if s.handle.id not in cancelled)
+        for seq in dropped:
+            self._drop_hit(seq)
+            seq.cache = None  # its own cache (a prefill in progress) is freed now, not with the step
+        gone = len(dropped)
+        for rows in [*self._ready, self._batch, *([started] if started is not None else [])]:
             keep = [i for i, s in enumerate(rows.seqs) if s.handle.id not in cancelled]
             gone += len(rows) - len(keep)
             rows.keep(keep)
@@ -532,13 +560,21 @@ class Engine:
         in chunks that may span steps.
         """
         start = time.perf_counter()
-        while self._waiting and self._room() > 0:
+        while True:
+            # A sequence cancelled during the last pass (of any sequence) leaves before the next one: its
+            # prefill stops at its next chunk boundary, also within a step that prefills several.
+            self._drop_cancelled()
+            if not self._waiting or self._room() <= 0:
+                break
             group = self._group(budget)
             if len(group) > 1:
                 for _ in group:
                     self._waiting.popleft()
                 try:
-                    self._start(self._prefill_together(group), out)
+                    rows = self._prefill_together(group)
+                    self._drop_cancelled(rows)  # a prompt whose client left during the pass gets no first token
+                    if rows.seqs:
+                        self._start(rows, out)
                 except Exception as exc:
                     log.exception("prefill failed; failing its sequences")
                     self._fail(group, exc, out)
@@ -571,8 +607,7 @@ class Engine:
                 self.stats.prompt_tokens += n
                 self.stats.prefill_chunks += 1
                 self._keep_prefix(seq, _own_slicer(seq.cache))
-                if n < remaining:
-                    continue  # the budget ran out inside this prompt
+                continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._waiting.popleft()
             try:
                 if seq.cache is None:

@@ -361,6 +361,120 @@ async def test_cancel_while_waiting_and_prefilling(qwen3: Loaded, engines: Engin
         handle.chunks.close()
 
 
+class DuringPass:
+    """The engine's model, with ``action`` run on the device thread as its ``nth`` forward pass of ``tokens``
+    input tokens per row begins: "the client leaves while this chunk is being computed"."""
+
+    def __init__(self, model: Any, tokens: int, action: Any, nth: int = 1) -> None:
+        self.model, self.tokens, self.action, self.left = model, tokens, action, nth
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        if self.action is not None and inputs.shape[1] == self.tokens:
+            self.left -= 1
+            if self.left == 0:
+                action, self.action = self.action, None
+                action()
+        out: mx.array = self.model(inputs, cache=cache)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+PLAIN = list(range(300, 321))  # 21 tokens: with prefill_chunk=16, passes of 16 and 4, then its last token
+
+
+async def test_a_waiting_sequence_cancelled_during_a_pass_gets_no_chunk_of_its_own(
+        qwen3: Loaded, engines: Engines) -> None:
+    """One step may prefill parts of several prompts (here the end of A's, then B's first tokens): B, cancelled
+    while A's chunk runs, leaves before its own pass, not at the next step."""
+    engine = engines(qwen3, prefill_chunk=16)
+    a = engine.submit(PLAIN, max_tokens=2, stop_ids=frozenset(), sampling=GREEDY)
+    b = engine.submit(list(range(400, 500)), max_tokens=2, stop_ids=frozenset(), sampling=GREEDY)
+    engine.model = DuringPass(engine.model, 4, b.cancel)  # A's second chunk: 4 tokens, then 12 of B's in that step
+    result = await collect(a)
+    await wait_until(lambda: not engine.has_work())
+    assert len(result.tokens) == 2
+    assert engine.stats.cancelled == 1 and engine.stats.prefill_chunks == 2
+    assert engine.stats.prompt_tokens == len(PLAIN)  # none of B's
+    assert engine.waiting == engine.active == 0 and engine.stats.kv_bytes == 0
+    b.chunks.close()
+
+
+async def test_a_sequence_cancelled_during_its_last_chunk_gets_no_first_token(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, prefill_chunk=16)
+    a = engine.submit(PLAIN, max_tokens=5, stop_ids=frozenset(), sampling=GREEDY)
+    engine.model = DuringPass(engine.model, 4, a.cancel)
+    await wait_until(lambda: engine.stats.cancelled == 1)
+    await wait_until(lambda: not engine.has_work())
+    assert engine.stats.prompt_tokens == len(PLAIN) - 1 and engine.stats.generated_tokens == 0
+    assert engine.waiting == engine.active == 0 and engine.stats.kv_bytes == 0
+    with pytest.raises(trio.WouldBlock):
+        a.chunks.receive_nowait()  # nothing was handed out
+    a.chunks.close()
+
+
+async def test_a_prompt_prefilled_with_others_and_cancelled_meanwhile_gets_no_first_token(
+        qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3)
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))  # both prompts are queued before the step that prefills them
+    a = engine.submit(list(range(300, 310)), max_tokens=2, stop_ids=frozenset(), sampling=GREEDY)
+    b = engine.submit(list(range(400, 412)), max_tokens=2, stop_ids=frozenset(), sampling=GREEDY)
+    engine.model = DuringPass(engine.model, 11, b.cancel)  # the grouped pass: two rows of 11 tokens
+    hold.set()
+    result = await collect(a)
+    await wait_until(lambda: not engine.has_work())
+    assert len(result.tokens) == 2 and engine.stats.grouped_prefills == 1
+    assert engine.stats.cancelled == 1 and engine.stats.generated_tokens == 2  # all of them A's
+    assert engine.waiting == engine.active == 0 and engine.stats.kv_bytes == 0
+    with pytest.raises(trio.WouldBlock):
+        b.chunks.receive_nowait()
+    b.chunks.close()
+
+
+async def test_a_cancelled_long_prefill_stops_at_its_next_chunk(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, prefill_chunk=16)
+    handle = engine.submit(list(range(300, 500)), max_tokens=5, stop_ids=frozenset(), sampling=GREEDY)
+    engine.model = DuringPass(engine.model, 16, handle.cancel, nth=3)
+    await wait_until(lambda: engine.stats.cancelled == 1)
+    await wait_until(lambda: not engine.has_work())
+    assert engine.stats.prompt_tokens == 3 * 16 and engine.stats.generated_tokens == 0
+    assert engine.stats.kv_bytes == 0
+    handle.chunks.close()
+
+
+async def test_a_prefix_match_whose_caller_left_meanwhile_releases_its_hit(qwen3: Loaded) -> None:
+    """The match runs on a worker thread that cannot be abandoned: a caller cancelled meanwhile gets Cancelled
+    when it returns (it must not go on to submit), and the hit's block references are dropped."""
+    from runtime.prefix_cache import PrefixCache, PrefixConfig, namespace_of
+
+    cache = PrefixCache(PrefixConfig(block_tokens=4))
+    engine = Engine(qwen3.model, qwen3.device, EngineConfig(), cache, namespace_of(qwen3.name))
+    try:
+        prompt = list(range(300, 340))
+        await collect(engine.submit(prompt, max_tokens=1, stop_ids=frozenset(), sampling=GREEDY))
+        match = cache.match
+        token = trio.lowlevel.current_trio_token()
+        matched: list[int] = []
+
+        def leave_during_match(*args: Any) -> Any:
+            token.run_sync_soon(scope.cancel)  # the client leaves while the match runs
+            hit = match(*args)
+            matched.append(len(hit.blocks))
+            return hit
+
+        cache.match = leave_during_match  # type: ignore[method-assign,assignment]
+        with trio.CancelScope() as scope:
+            await engine.match_prefix(prompt)
+            pytest.fail("a cancelled caller got its hit")
+        assert scope.cancelled_caught and matched[0] > 0
+        assert all(block.refs == 0 for block in cache._blocks.values())
+        assert engine.stats.submitted == 1
+    finally:
+        engine.close()
+
+
 # --------------------------------------------------------------------------- stats (prefix cache: test_prefix_cache.py)
 
 async def test_first_token_comes_from_the_prefill_not_a_batch_step(qwen3: Loaded, engines: Engines) -> None:
