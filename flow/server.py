@@ -21,6 +21,7 @@ the stream. Nothing reaches a client as a traceback, and the server stays up.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import resource
@@ -63,6 +64,37 @@ def first_error(exc: BaseException) -> BaseException:
                 return candidate
         return found[0]
     return exc
+
+
+# The run scopes a request's view started; cancelled when the request's ASGI call ends (see _EndRunsWithRequest).
+_request_runs: contextvars.ContextVar[list[trio.CancelScope] | None] = contextvars.ContextVar(
+    "flow_request_runs", default=None)
+
+
+class _EndRunsWithRequest:
+    """ASGI middleware: the runs a request started are cancelled when its ASGI call ends, however it ends.
+
+    A streaming response's run is normally cancelled by its body iterator's ``finally``. But a client that
+    leaves after the view has returned and before Quart has begun the body (the disconnect cancels Quart's
+    send of the response head) leaves that iterator never started, hence never closed: without this, the
+    run, its engine sequence (prefill, then up to ``max_tokens``) and its task would go on, nobody reading.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        runs: list[trio.CancelScope] = []
+        token = _request_runs.set(runs)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _request_runs.reset(token)
+            for run in runs:
+                run.cancel()
 
 
 class FlowServer:
@@ -209,6 +241,9 @@ class FlowServer:
             return Response(frame.data, status=frame.status, headers=Headers([*frame.headers, ("connection", "close")]))
         send, receive = trio.open_memory_channel[WireFrame](64)
         scope = trio.CancelScope()
+        runs = _request_runs.get()
+        if runs is not None:
+            runs.append(scope)  # cancelled when the request ends, even if its body never began
         route = f"{runner.route.method} {runner.route.path}"
         started = time.perf_counter()
         nursery.start_soon(self.run_request, runner, http, send, scope)
@@ -377,6 +412,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 def create_app(server: FlowServer, guard: Guard) -> QuartTrio:
     spec = server.graph.spec.server
     app = QuartTrio("flow")
+    app.asgi_app = _EndRunsWithRequest(app.asgi_app)  # type: ignore[method-assign]
     app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=spec.body_timeout_seconds,
                       MAX_CONTENT_LENGTH=server.body_limit())
 

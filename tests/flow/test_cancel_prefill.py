@@ -9,8 +9,7 @@ Then the engine must compute nothing more for them: not the rest of the first pr
 token, not another prompt's chunk in the same step; all six count as cancelled, the engine is idle and
 holds no KV memory.
 
-Last, a streaming client that leaves after the view returned its response but before the body began
-(marked xfail until flow/server.py cancels a request's run when its ASGI call ends).
+Last, a streaming client that leaves after the view returned its response but before the body began.
 """
 
 from __future__ import annotations
@@ -169,8 +168,6 @@ def own_server(tiny_qwen3: Path) -> Iterator[RunningServer]:
         yield running
 
 
-@pytest.mark.xfail(strict=True, reason="needs flow/server.py to cancel a request's run when its ASGI call ends "
-                                       "(a streaming body that never began is never closed)")
 def test_a_stream_left_before_its_body_began_is_cancelled(own_server: RunningServer,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The view has its first frame and returns the streaming response; the client leaves before Quart sends
