@@ -181,23 +181,39 @@ class FlowServer:
                                              "the server log has the details.")
                         if error.status >= 500:
                             self.requests_failed += 1
-                        frames = exit_cls.error_frames(error) if outbox.sent else [exit_cls.error_response(error)]
-                        for frame in frames:
-                            await send.send(frame)
+                        await self._send_all(send, self._error_frames(exit_cls, error, outbox.sent > 0, http.request_id))
                 if scope.cancelled_caught and self.stop_error is not None:
                     # Cancelled by the end of a graceful stop: the client learns why, in its protocol.
-                    error = self.stop_error
-                    frames = exit_cls.error_frames(error) if outbox.sent else [exit_cls.error_response(error)]
                     with trio.move_on_after(2):
-                        for frame in frames:
-                            try:
-                                await send.send(frame)
-                            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                                break
+                        await self._send_all(send, self._error_frames(exit_cls, self.stop_error, outbox.sent > 0,
+                                                                      http.request_id))
+        except Exception:  # a run task must never raise: it would close the app's nursery to every later request
+            log.exception("request %s: failed while reporting its error", http.request_id)
         finally:
             self._runs.discard(scope)
             self.requests_active -= 1
             self._duration.observe(time.perf_counter() - started, route=f"{runner.route.method} {runner.route.path}")
+
+    @staticmethod
+    async def _send_all(send: trio.MemorySendChannel[WireFrame], frames: list[WireFrame]) -> None:
+        """Send ``frames`` unless the client has gone (then nobody reads them)."""
+        for frame in frames:
+            try:
+                await send.send(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+
+    @staticmethod
+    def _error_frames(exit_cls: type[ExitStage[Any, Any]], error: ApiError, streaming: bool,
+                      request_id: str) -> list[WireFrame]:
+        """The exit stage's frames for ``error``; should encoding them fail, a plain internal error (a run
+        task must never raise: it would take the app's nursery, and every later request, with it)."""
+        try:
+            return exit_cls.error_frames(error) if streaming else [exit_cls.error_response(error)]
+        except Exception:
+            log.exception("request %s: could not encode its error %r", request_id, error.message[:200])
+            fallback = ApiError("internal", f"Internal server error (request id {request_id}).")
+            return exit_cls.error_frames(fallback) if streaming else [exit_cls.error_response(fallback)]
 
     # ------------------------------------------------------------------ graceful stop
     def begin_drain(self, grace: float) -> None:

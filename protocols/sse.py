@@ -9,7 +9,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    # An unpaired surrogate (echoed from a client's input in an error message) cannot be UTF-8: it is
+    # written as its JSON escape ``\udXXX``, which is what the client sent.
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def data_frame(obj: Any) -> bytes:
