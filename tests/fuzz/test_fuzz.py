@@ -1,0 +1,45 @@
+"""The short fixed-seed fuzz run (CI): every protocol's requests, valid and mutated, through a real server.
+
+Each endpoint runs its fixed cases (``strategies.regressions``: the Hardening issue's list) and then
+draws cases from ``strategies.cases`` with a fixed seed (``derandomize``), sends
+them to one ``flow serve`` child process and judges each answer (``tests.fuzz.run_case``): no 5xx,
+4xx in the route's error shape, 200 streams that end properly, the same server process alive and
+serving afterwards. Failures are collected rather than raised, so that one run lists every distinct
+failure of an endpoint (grouped by signature), each with the smallest case that hit it made smaller
+still (``Collector.minimize``: Hypothesis' own shrinking would restart the server for every step of a
+crash) and the curl lines that reproduce it.
+
+The long run is ``scripts/fuzz.py --minutes N``.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, example, given, settings
+
+from tests.fuzz import Collector, FlowProcess, run_case
+from tests.fuzz.strategies import NAMES, Case, cases, regressions
+
+# Drawn cases per endpoint (after its fixed ones, strategies.regressions): with a server that passes, the
+# file runs in about a minute on two cores.
+EXAMPLES = {"chat": 110, "completions": 70, "responses": 70, "messages": 90, "count_tokens": 40, "agent_create": 40,
+            "agent_patch": 30, "agent_generate": 60, "lookup": 30}
+MINIMIZE_SECONDS = 30.0  # per endpoint, for making failing cases smaller
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fuzz(name: str, fuzz_server: FlowProcess, fuzz_client: httpx.Client) -> None:
+    found = Collector()
+
+    def fuzz(case: Case) -> None:
+        found.add(run_case(fuzz_server, case, client=fuzz_client))
+
+    test = given(case=cases(name))(fuzz)
+    for case in reversed(regressions(name)):
+        test = example(case=case)(test)
+    settings(max_examples=EXAMPLES[name], deadline=None, database=None, derandomize=True, print_blob=False,
+             phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))(test)()
+    if found.hits:
+        found.minimize(fuzz_server, client=fuzz_client, seconds=MINIMIZE_SECONDS, crash_budget=3)
+        pytest.fail(found.report(fuzz_server.url), pytrace=False)
