@@ -103,7 +103,8 @@ def run_bench(model: str, max_tokens: int, rounds: int) -> dict[str, Any]:
             results.append(Round(raw_tps, raw_ptps, raw_tokens, srv_tps, ttft, srv_tokens))
             print(f"round {i + 1}/{rounds}: raw {raw_tps:.1f} tok/s, server {srv_tps:.1f} tok/s, "
                   f"TTFT {ttft:.1f} ms", file=sys.stderr)
-        params = sum(v.size for _, v in tree_flatten(loaded.model.parameters()))
+        leaves: Any = tree_flatten(loaded.model.parameters())
+        params = sum(v.size for _, v in leaves)
     raw = statistics.median(r.raw_decode_tps for r in results)
     srv = statistics.median(r.server_decode_tps for r in results)
     return {

@@ -169,7 +169,7 @@ class MessagesBody(_Lenient):
 class CountTokensBody(MessagesBody):
     """``/v1/messages/count_tokens``: the same body, without ``max_tokens``."""
 
-    max_tokens: int = Field(default=1, ge=1)  # type: ignore[assignment]
+    max_tokens: int = Field(default=1, ge=1)
 
 
 def _media_marker(kind: str) -> str:
@@ -225,8 +225,8 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
                 content = _text_of(block.content)
                 if block.is_error:
                     content = f"Error: {content}"
-                extra = (("tool_call_id", block.tool_use_id),)
-                out.append(Message("tool", content, name=tool_names.get(block.tool_use_id), extra=extra))
+                out.append(Message("tool", content, name=tool_names.get(block.tool_use_id),
+                                   extra=(("tool_call_id", block.tool_use_id),)))
             elif isinstance(block, OtherBlock):
                 text = (block.model_extra or {}).get("text")
                 if isinstance(text, str):
@@ -376,7 +376,7 @@ class MessagesStreamEncoder:
     def start(self) -> list[bytes]:
         usage = usage_json(Usage(self.started.prompt_tokens, 0, self.started.cached_tokens,
                                  self.started.cache_write_tokens))
-        message = {
+        message: dict[str, Any] = {
             "id": message_id(self.request), "type": "message", "role": "assistant", "content": [],
             "model": self.request.model, "stop_reason": None, "stop_sequence": None, "usage": usage,
         }

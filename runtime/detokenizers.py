@@ -50,7 +50,7 @@ class ExactSPMDetokenizer(SPMStreamingDetokenizer):
     """The SentencePiece decoder drops one leading space of the sequence, once."""
 
     def reset(self) -> None:
-        super().reset()
+        super().reset()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
         self._trim_pending = self.trim_space
 
     def _try_flush(self, force: bool = False) -> None:
@@ -65,7 +65,7 @@ class ExactSPMDetokenizer(SPMStreamingDetokenizer):
         self._unflushed = b""
 
 
-_EXACT: dict[type, type] = {BPEStreamingDetokenizer: ExactBPEDetokenizer, SPMStreamingDetokenizer: ExactSPMDetokenizer}
+_EXACT: dict[type[Any], type[Any]] = {BPEStreamingDetokenizer: ExactBPEDetokenizer, SPMStreamingDetokenizer: ExactSPMDetokenizer}
 
 
 def use_exact_detokenizer(wrapper: Any) -> None:
@@ -74,7 +74,7 @@ def use_exact_detokenizer(wrapper: Any) -> None:
     exact_type = _EXACT.get(type(current))
     if exact_type is None:
         return
-    exact = exact_type.__new__(exact_type)
+    exact = object.__new__(exact_type)
     exact.__dict__.update(current.__dict__)  # its vocabulary's token map, built once at load
     exact.reset()
     wrapper._detokenizer = exact

@@ -891,7 +891,8 @@ def _held(layer: Any, row: int | None) -> tuple[mx.array, mx.array, int]:
     (rotating) cache only the last ones, possibly wrapped around its ring buffer.
     """
     if isinstance(layer, BatchKVCache):
-        pad = int(layer.left_padding[row].item())
+        assert row is not None, "a batch cache is read one row at a time"
+        pad = int(layer.left_padding[row].item())  # type: ignore[arg-type]  # (an integer array)
         return layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:], 0
     if isinstance(layer, KVCache):
         return layer.keys, layer.values, 0

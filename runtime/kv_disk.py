@@ -85,7 +85,7 @@ class DiskEntry:
 
 
 # The safetensors dtypes a block file may hold (bfloat16 goes in as uint16); safetensors is little-endian.
-_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "U16": np.dtype("<u2")}
+_DTYPES: dict[str, np.dtype[Any]] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "U16": np.dtype("<u2")}
 
 
 def _parse_block(data: bytes) -> tuple[np.ndarray | None, ...]:

@@ -133,7 +133,8 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
 
         loaded = load(str(path))
         use_exact_detokenizer(loaded[1])
-        nbytes = sum(v.nbytes for _, v in tree_flatten(loaded[0].parameters()))
+        leaves: Any = tree_flatten(loaded[0].parameters())
+        nbytes = sum(v.nbytes for _, v in leaves)
         return loaded[0], loaded[1], nbytes
 
     log.info("loading model %s from %s …", name, path)

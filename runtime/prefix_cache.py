@@ -70,7 +70,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +248,15 @@ def _to_device(host: HostBlock) -> list[mx.array | None]:
     return [None if a is None else mx.array(a).view(mx.bfloat16) if bf16 else mx.array(a) for a in host.arrays]
 
 
+def _present(arrays: Iterable[mx.array | None]) -> list[mx.array]:
+    """A layer's arrays across blocks, all of which must hold it (a match starts where they do)."""
+    given = list(arrays)
+    out = [a for a in given if a is not None]
+    if not out or len(out) != len(given):
+        raise ValueError("a block of the match lacks this layer")
+    return out
+
+
 def _nbytes(arrays: Sequence[Any]) -> int:
     return sum(int(a.nbytes) for a in arrays if a is not None)
 
@@ -358,14 +367,14 @@ class PrefixCache:
         for layer, window in enumerate(hit.windows):
             first = 0 if window is None else max(0, n - window) // hit.block_tokens
             parts = [blk.arrays for blk in hit.blocks[first:] if blk.arrays is not None]
-            keys = mx.concatenate([p[2 * layer] for p in parts], axis=2)
-            values = mx.concatenate([p[2 * layer + 1] for p in parts], axis=2)
+            keys = mx.concatenate(_present(p[2 * layer] for p in parts), axis=2)
+            values = mx.concatenate(_present(p[2 * layer + 1] for p in parts), axis=2)
             if window is None:
-                c: Any = KVCache()
+                c: Any = KVCache()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
                 c.keys, c.values, c.offset = keys, values, n
             else:
                 held = min(n, window)
-                c = RotatingKVCache(max_size=window, keep=0)
+                c = RotatingKVCache(max_size=window, keep=0)  # type: ignore[no-untyped-call]
                 c.keys, c.values = keys[..., -held:, :], values[..., -held:, :]
                 c.offset, c._idx = n, held
             cache.append(c)
@@ -385,12 +394,12 @@ class PrefixCache:
         """
         b = self.config.block_tokens
         chain = keys if keys is not None and keys.namespace == namespace else BlockKeys(namespace, b)
-        keys = chain.upto(tokens, len(tokens) // b)
+        block_keys = chain.upto(tokens, len(tokens) // b)
         expires = self._expiry(ttl)
         persist = self.disk is not None and ttl != 0
         added: list[Block] = []
         parent: bytes | None = None
-        for i, key in enumerate(keys):
+        for i, key in enumerate(block_keys):
             with self._lock:
                 known = self._blocks.get(key)
                 if known is not None:
@@ -400,7 +409,7 @@ class PrefixCache:
                 block = Block(key, parent, namespace, _nbytes(arrays), expires, persist, b, arrays)
                 added.append(block)
             parent = key
-        start = len(keys) * b
+        start = len(block_keys) * b
         if tail and start < len(tokens) and _full_layers_only(windows):
             # Memory only: a tail is worth keeping for the next turn, not across a restart.
             key = tail_key(parent or namespace, tokens[start:])
@@ -425,8 +434,8 @@ class PrefixCache:
             with self._lock:
                 state = self.sessions.get(session_id)
                 turns = state.turns + 1 if state is not None else 1
-                self.sessions[session_id] = SessionState(namespace, keys[-1] if keys else None, len(tokens),
-                                                         time.time(), turns)
+                last = block_keys[-1] if block_keys else None
+                self.sessions[session_id] = SessionState(namespace, last, len(tokens), time.time(), turns)
                 if len(self.sessions) > MAX_SESSIONS:  # forget the longest idle ones (their blocks stay)
                     for old in sorted(self.sessions, key=lambda k: self.sessions[k].last_access)[: MAX_SESSIONS // 8]:
                         del self.sessions[old]

@@ -17,7 +17,7 @@ from pydantic import Field
 from flow.registry import register_stage
 from flow.resources import ModelSet
 from flow.stage import Outbox, Stage
-from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from protocols.ir import FinishReason, Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from stages.chat import ModelStageConfig
 
 
@@ -49,5 +49,5 @@ class EchoGenerate(Stage[PreparedPrompt, Generation]):
             for start in range(0, len(ids), step):
                 await outbox.send(TokenChunk(tuple(ids[start : start + step])))
                 await trio.sleep(0)
-            finish = "length" if len(ids) >= prompt.max_tokens else "stop"
+            finish: FinishReason = "length" if len(ids) >= prompt.max_tokens else "stop"
             await outbox.send(TokenChunk((), finish))
