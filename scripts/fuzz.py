@@ -25,6 +25,7 @@ import tempfile
 import time
 import warnings
 from collections import Counter
+from urllib.parse import urlsplit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     set_hypothesis_home_dir(caches.name)  # Hypothesis writes nothing into the checkout
 
     if args.url:
-        configure(models=tuple(args.model or ["default"]), vocab=args.vocab)
+        host = urlsplit(args.url).hostname or ""
+        configure(models=tuple(args.model or ["default"]), vocab=args.vocab,
+                  loopback=host in ("localhost", "::1") or host.startswith("127."))
         server: Server = RemoteServer(args.url)
     else:
         print("starting flow serve on a tiny model…", file=sys.stderr)

@@ -636,7 +636,7 @@ def _smaller_bodies(body: Any, keep: tuple[tuple[Any, ...], ...] = ()) -> list[A
             out.append(set_at(body, path, Many(value.item, max(1, value.count // 10))))
         elif isinstance(value, Rep) and value.count > 1:
             out.append(set_at(body, path, Rep(value.unit, max(1, value.count // 10))))
-        elif isinstance(value, str) and len(value) > 1:
+        elif isinstance(value, str) and len(value) > 1 and path != ("model",):  # a model id stays one
             out.append(set_at(body, path, value[:1]))
         elif isinstance(value, (dict, list)) and len(json.dumps(value, default=str)) > 20:
             out.append(set_at(body, path, {} if isinstance(value, dict) else []))

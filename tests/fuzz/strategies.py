@@ -57,17 +57,20 @@ class Target:
 
     models: tuple[str, ...] = ("default", "tiny")
     vocab: int = 1024  # the tiny models'
+    loopback: bool = True  # listening on a loopback address: other Host/Origin headers are refused
 
 
 TARGET = Target()
 
 
-def configure(models: tuple[str, ...] | None = None, vocab: int | None = None) -> None:
+def configure(models: tuple[str, ...] | None = None, vocab: int | None = None, loopback: bool | None = None) -> None:
     """Point the strategies at another server's models (call before drawing anything)."""
     if models:
         TARGET.models = tuple(models)
     if vocab:
         TARGET.vocab = vocab
+    if loopback is not None:
+        TARGET.loopback = loopback
 
 
 def out_of_vocab() -> list[int]:
@@ -835,6 +838,14 @@ def completions_unsupported(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     return {**body, **change}, f"unsupported: {json.dumps(change)}", expect
 
 
+def _with_tools(body: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with ``change``; when that replaces the tools, the ``tool_choice`` made for them goes too."""
+    out = {**body, **change}
+    if "tools" in change and "tool_choice" not in change:
+        out.pop("tool_choice", None)
+    return out
+
+
 @st.composite
 def responses_tool_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     options: list[tuple[dict[str, Any], str, Expect]] = [
@@ -847,7 +858,7 @@ def responses_tool_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
         ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "parameters not an object", "any"),
     ]
     change, label, expect = draw(st.sampled_from(options))
-    return {**body, **change}, f"tools: {label}", expect
+    return _with_tools(body, change), f"tools: {label}", expect
 
 
 @st.composite
@@ -888,7 +899,7 @@ def anthropic_tool_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
         ({"tools": [{"name": "f", "input_schema": "x"}]}, "input_schema not an object", "any"),
     ]
     change, label, expect = draw(st.sampled_from(options))
-    return {**body, **change}, f"tools: {label}", expect
+    return _with_tools(body, change), f"tools: {label}", expect
 
 
 @st.composite
@@ -1081,8 +1092,8 @@ def mutated_cases(draw: Any, ep: Endpoint) -> Case:
 
 @st.composite
 def transport_cases(draw: Any, ep: Endpoint) -> Case:
-    """Raw bodies that are no JSON object, other content types, other methods, query strings."""
-    kind = draw(st.sampled_from(["raw", "content-type", "method", "query"]))
+    """Raw bodies that are no JSON object, other content types, methods, query strings and headers."""
+    kind = draw(st.sampled_from(["raw", "content-type", "method", "query", "header"]))
     if kind == "raw":
         body, label = draw(st.sampled_from(RAW_BODIES))
         return _case(ep, body, (f"raw body: {label}",), "any")
@@ -1098,8 +1109,24 @@ def transport_cases(draw: Any, ep: Endpoint) -> Case:
         # OPTIONS may be answered (CORS preflight); the agents' routes take GET and DELETE themselves.
         expect: Expect = "any" if method == "OPTIONS" or ep.name.startswith("agent_") else "reject"
         return _case(ep, valid, (f"method: {method}",), expect, method=method)
+    if kind == "header":
+        name, value, wants = draw(st.sampled_from(HEADERS))
+        if wants == "loopback":  # a loopback server serves loopback Host/Origin only (DESIGN.md)
+            wants = "reject" if TARGET.loopback else "any"
+        return _case(ep, valid, (f"header: {name}: {value[:30]}",), wants,
+                     headers=(("content-type", "application/json"), (name, value)))
     query = draw(st.sampled_from(["?beta=true", "?stream=true", "?x=%ED%A0%80", "?" + "a=1&" * 500, "?%00"]))
     return _case(ep, valid, (f"query: {query[:20]}",), "accept", path=ep.path + query)
+
+
+HEADERS: list[tuple[str, str, Any]] = [
+    ("host", "evil.example", "loopback"), ("host", "127.0.0.1.evil.example:80", "loopback"),
+    ("origin", "http://evil.example", "loopback"), ("origin", "null", "any"), ("host", "localhost", "accept"),
+    ("content-encoding", "gzip", "any"), ("expect", "100-continue", "any"), ("accept", "text/event-stream", "accept"),
+    ("anthropic-version", "9999-99-99", "accept"), ("anthropic-beta", "a," * 5000, "any"),
+    ("x-api-key", "k" * 60_000, "any"), ("authorization", "Bearer " + "x" * 100, "accept"),
+    ("authorization", "Basic Og==", "accept"), ("accept-encoding", "br, gzip, zstd", "accept"),
+]
 
 
 PATH_IDS = ["nope", "resp_nope", "%ED%A0%80", "%00", "..%2F..%2Fetc%2Fpasswd", "a" * 5000, "%F0%9F%98%80", "%20",
