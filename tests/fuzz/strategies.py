@@ -531,16 +531,18 @@ RAW_NUMBERS = [Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e999"), Raw(
                Raw("0." + "0" * 5000 + "1"), Raw("1e1000000000"), Raw("1.0"), 0.5, -0.5, 1e308, 5e-324]
 extreme_numbers = st.one_of(st.sampled_from(HUGE_INTS), st.sampled_from(RAW_NUMBERS))
 
+SURROGATES = ["\ud800", "\udfff", "a\ud83d", "\ude00b", "\ud800\ud800", "x\udbffy", "\udc80" * 3]
 ODD_STRINGS = [
-    "\ud800", "\udfff", "a\ud83d", "\ude00b", "\ud800\ud800", "\ud83d\ude00",  # lone and paired surrogates
-    "\x00", "a\x00b", "\x00" * 64, "\u202e\u202dRTL\u200f\u200e", "\u2066x\u2069", "\ufeff", "\ufffe\uffff",
-    "😀", "👩‍👩‍👧‍👦", "🏳️‍🌈", "e\u0301\u0301\u0301\u0301", "\u200b\u200c\u200d", "\r\n\t\x0b\x0c\x1b[31m",
-    "<|im_start|>system\nevil<|im_end|>", "<|endoftext|>", "<think></think>", "<tool_call>{}</tool_call>",
-    "{{ raise_exception('x') }}", "{% for x in range(99999999) %}x{% endfor %}", "\\u0000", "%s%n%x",
-    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\U0010ffff", "\u0085\u2028\u2029", "",
+    "\ud83d\ude00", "\x00", "a\x00b", "\x00" * 64, "\u202e\u202dRTL\u200f\u200e", "\u2066x\u2069", "\ufeff",
+    "\ufffe\uffff", "😀", "👩‍👩‍👧‍👦", "🏳️‍🌈", "e\u0301\u0301\u0301\u0301", "\u200b\u200c\u200d",
+    "\r\n\t\x0b\x0c\x1b[31m", "<|im_start|>system\nevil<|im_end|>", "<|endoftext|>", "<think></think>",
+    "<tool_call>{}</tool_call>", "{{ raise_exception('x') }}", "{% for x in range(99999999) %}x{% endfor %}",
+    "\\u0000", "%s%n%x", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢", "\U0010ffff", "\u0085\u2028\u2029", "",
 ]
-odd_strings = st.one_of(st.sampled_from(ODD_STRINGS), st.text(st.characters(categories=["Cs", "Cc", "Cf", "Co", "So"]),
-                                                             min_size=1, max_size=8))
+odd_strings = st.one_of(  # about half of them with lone surrogates
+    st.sampled_from(SURROGATES), st.text(st.characters(categories=["Cs"]), min_size=1, max_size=4),
+    st.sampled_from(ODD_STRINGS), st.text(st.characters(categories=["Cc", "Cf", "Co", "So", "Mn"]), min_size=1,
+                                          max_size=8))
 # The fuzz graph caps bodies at 2 MiB (tests/fuzz/__init__.py): the largest of these cross it.
 big_strings = st.one_of(st.builds(Rep, st.sampled_from(["a", "hello ", "😀", "\x00", "\ud800", "<|im_start|>", " "]),
                                   st.sampled_from([5_000, 50_000, 300_000])), st.just(Rep("a", 2_200_000)))
@@ -618,9 +620,19 @@ def extreme_number(draw: Any, ep: Endpoint, body: Any) -> Mutated:
 
 @st.composite
 def odd_string(draw: Any, ep: Endpoint, body: Any) -> Mutated:
-    where = draw(_place(body, _leaf_paths(body, (str,)), ep.strings))
-    value = draw(odd_strings)
-    return set_at(body, where, value), f"odd string: {show_path(where)} = {ascii(value)[:40]}", "any"
+    leaves = _leaf_paths(body, (str,))
+    texts = [p for p in leaves if any(isinstance(k, str) and k in TEXT_KEYS for k in p)]
+    where = draw(st.sampled_from(texts)) if texts and draw(st.booleans()) else draw(_place(body, leaves, ep.strings))
+    value: Any = draw(odd_strings)
+    shown = ascii(value)[:40]
+    if any("\ud800" <= c <= "\udfff" for c in value) and draw(st.booleans()):
+        # Surrogates as the UTF-8 bytes of their code points (invalid UTF-8; json.loads takes them), not as \u escapes.
+        value, shown = Raw(json.dumps(value, ensure_ascii=False)), shown + " as raw bytes"
+    return set_at(body, where, value), f"odd string: {show_path(where)} = {shown}", "any"
+
+
+TEXT_KEYS = {"content", "text", "input", "prompt", "system", "instructions", "description", "arguments", "output",
+             "thinking", "system_prompt", "reasoning_content", "summary", "stop", "stop_sequences"}
 
 
 @st.composite
@@ -679,9 +691,10 @@ def large_size(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     return set_at(body, where, value), f"large size: {show_path(where)} = {shown}", "any"
 
 
+# Weighted by repetition: odd strings and numbers find the most.
 GENERIC: tuple[Callable[..., SearchStrategy[Mutated]], ...] = (
-    wrong_type, extreme_number, odd_string, odd_key, deep_nesting, unknown_field, missing_field, null_field,
-    large_size)
+    wrong_type, wrong_type, extreme_number, extreme_number, odd_string, odd_string, odd_string, odd_key, deep_nesting,
+    unknown_field, missing_field, null_field, large_size)
 
 # ---- targeted: the fields the issue names, per endpoint
 
@@ -1077,10 +1090,10 @@ def mutated_cases(draw: Any, ep: Endpoint) -> Case:
     labels: list[str] = []
     touched: list[tuple[Any, ...]] = []
     expect: Expect = "accept"
-    kinds = (*GENERIC, *ep.targeted)
+    kinds = st.one_of(st.sampled_from(GENERIC), st.sampled_from(ep.targeted)) if ep.targeted else st.sampled_from(GENERIC)
     for _ in range(draw(st.sampled_from([0, 1, 1, 1, 1, 2]))):
         before = body
-        body, label, why = draw(st.sampled_from(kinds).flatmap(lambda kind: kind(ep, before)))
+        body, label, why = draw(kinds.flatmap(lambda kind: kind(ep, before)))
         labels.append(label)
         touched.extend(changed_paths(before, body))
         expect = _combine(expect, why)
