@@ -118,8 +118,15 @@ def load_json(body: bytes) -> Any:
     if not body.strip():
         raise ApiError("invalid_request", "The request body is empty; send a JSON object.")
     try:
-        data = json.loads(body, parse_constant=_not_json, parse_float=_finite)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # Strict UTF-8 (RFC 8259): json.loads would decode bytes with 'surrogatepass', letting encoded
+        # surrogates through as text that nothing downstream can encode.
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError("invalid_request", f"The request body is not valid UTF-8 (byte {exc.start}: {exc.reason}); "
+                       "JSON bodies must be UTF-8.") from None
+    try:
+        data = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except json.JSONDecodeError as exc:
         raise ApiError("invalid_request", f"The request body is not valid JSON: {exc}.") from None
     except RecursionError:
         raise ApiError("invalid_request", f"The request body nests deeper than {MAX_DEPTH} levels.") from None

@@ -96,6 +96,8 @@ def test_the_last_token_of_the_vocabulary_can_be_biased(server: RunningServer) -
     (b'{"model": "default", "max_tokens": 4, "temperature": 1e999, "messages": []}', "too large"),
     (b'{"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "a\\ud800b"}]}', "surrogate"),
     (b'{"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "\\uDFFF"}]}', "surrogate"),
+    # encoded as bytes (CESU-8) rather than escaped: not UTF-8
+    (b'{"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}', "UTF-8"),
     # in a key: the error message that names it must still encode (it took the app's nursery down once)
     (b'{"\\ud9dd\\u0604": [null], "model": "default", "max_tokens": 4, "messages": []}', "surrogate"),
 ])
