@@ -97,6 +97,11 @@ class _EndRunsWithRequest:
                 run.cancel()
 
 
+def shutting_down() -> ApiError:
+    """What requests refused or ended by a graceful stop get: retryable, a restarted server may answer."""
+    return ApiError("overloaded", "The server is shutting down; retry shortly.", retry_after=5)
+
+
 class FlowServer:
     """A compiled graph made live: resources, stage instances and routes."""
 
@@ -223,7 +228,7 @@ class FlowServer:
 
     def end_requests(self) -> None:
         """Cancel every request still running; each ends with the stop error in its protocol's shape."""
-        self.stop_error = ApiError("overloaded", "The server is shutting down; retry shortly.", retry_after=5)
+        self.stop_error = shutting_down()
         if self._runs:
             log.info("stopping: ending %d requests still running", len(self._runs))
         for scope in list(self._runs):
@@ -252,9 +257,8 @@ class FlowServer:
 
     async def respond(self, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery) -> Response:
         if self.draining.is_set():
-            frame = self.exit_class(runner.route.exit).error_response(
-                ApiError("overloaded", "The server is shutting down; retry shortly.", retry_after=5))
-            return Response(frame.data, status=frame.status, headers=Headers([*frame.headers, ("connection", "close")]))
+            return self.error_response(http.path, shutting_down(), close=True,
+                                       exit_cls=self.exit_class(runner.route.exit))
         send, receive = trio.open_memory_channel[WireFrame](64)
         scope = trio.CancelScope()
         runs = _request_runs.get()
@@ -306,10 +310,11 @@ class FlowServer:
 
         return OpenAIChatFormat
 
-    def error_response(self, path: str, error: ApiError, *, close: bool = False) -> Response:
-        """An error the shell answers itself, in the protocol of ``path``; ``close`` when the request body may
-        still be on its way (the connection cannot be reused: its next bytes are that body)."""
-        frame = self.exit_for_path(path).error_response(error)
+    def error_response(self, path: str, error: ApiError, *, close: bool = False,
+                       exit_cls: type[ExitStage[Any, Any]] | None = None) -> Response:
+        """An error the shell answers itself, in the protocol of ``path`` (or of ``exit_cls``); ``close`` when
+        the request body may still be on its way (the connection cannot be reused: its next bytes are that body)."""
+        frame = (exit_cls or self.exit_for_path(path)).error_response(error)
         headers = [*frame.headers, *([("connection", "close")] if close else [])]
         return Response(frame.data, status=frame.status, headers=Headers(headers))
 

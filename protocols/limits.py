@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from protocols.errors import ApiError
-from protocols.ir import ChatRequest, Message
+from protocols.ir import ChatRequest, Message, SamplingParams
 
 # A generous upper bound on characters per token: real text averages 3-5 (code and CJK fewer), so
 # a prompt past context × this cannot fit, whatever the tokenizer. Pathological inputs (long runs
@@ -87,7 +87,7 @@ def validate_request(request: ChatRequest, limits: ModelLimits) -> ChatRequest:
     return _within_budget(request, limits)
 
 
-def _sampling(request: ChatRequest, limits: ModelLimits) -> Any:
+def _sampling(request: ChatRequest, limits: ModelLimits) -> SamplingParams:
     sampling = request.sampling
     for token, _ in sampling.logit_bias:
         if not 0 <= token < limits.vocab_size:

@@ -69,17 +69,11 @@ def private_db(path: Path) -> Path:
     return path
 
 
-def open_private(path: Path) -> int:
-    """A new file at ``path`` (truncated if there), mode 0600, open for writing: a descriptor."""
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new 0600 file at ``path`` (truncated if there)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     if stat.S_IMODE(os.fstat(fd).st_mode) != FILE_MODE:  # an old file of that name keeps its mode
         os.fchmod(fd, FILE_MODE)
-    return fd
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new 0600 file at ``path``."""
-    fd = open_private(path)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
 
