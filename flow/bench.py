@@ -30,11 +30,12 @@ import httpx
 from mlx.utils import tree_flatten
 
 from flow import blas
+from flow.bundled import graphs_dir
 from flow.compiler import compile_tables
 from flow.embedded import RunningServer, running_server
 from flow.spec import load_tables
 
-GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
+GRAPHS = graphs_dir()  # the bundled graphs (flow/bundled.py)
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 
 

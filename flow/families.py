@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flow.bundled import family_dir
 from protocols.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 if sys.version_info >= (3, 11):
@@ -32,7 +33,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-FAMILY_DIR = Path(__file__).resolve().parent.parent / "graphs" / "families"
+FAMILY_DIR = family_dir()  # graphs/families, wherever flow is installed (flow/bundled.py)
 
 DEFAULT_TOOL_PROMPT = """# Tools
 
