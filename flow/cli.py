@@ -1,4 +1,4 @@
-"""``flow``: serve, check, viz, stages, probe, models, bench."""
+"""``flow``: serve, check, viz, stages, probe, models, families, bench."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flow.bundled import resolve_graph_path
 from flow.compiler import CompileError, CompiledGraph, GraphError, compile_file, compile_tables
 from flow.spec import SpecError, load_tables
 
 if TYPE_CHECKING:
+    from flow.families import Family
     from flow.local_models import LocalModel
 
 
@@ -43,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flow.server import FlowServer, first_error, serve
     from runtime.models import ModelNotAvailable
 
-    graph = _load_graph(args.graph, model=args.model)
+    graph = _load_graph(str(resolve_graph_path(args.graph)), model=args.model)
     if args.api_key is not None:
         graph.spec.server.api_key = args.api_key
     host = args.host or graph.spec.server.host
@@ -89,7 +91,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     failed = False
     for path in args.graphs:
         try:
-            graph = compile_file(path)
+            graph = compile_file(resolve_graph_path(path))
         except CompileError as exc:
             print(exc, file=sys.stderr)
             failed = True
@@ -102,7 +104,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_viz(args: argparse.Namespace) -> int:
     from viz import render_dot, render_mermaid
 
-    graph = compile_file(args.graph)
+    graph = compile_file(resolve_graph_path(args.graph))
     text = render_mermaid(graph) if args.format == "mermaid" else render_dot(graph)
     if args.output:
         Path(args.output).write_text(text)
@@ -227,6 +229,49 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _family_json(family: Family) -> dict[str, Any]:
+    return {"name": family.name, "description": family.description, "extends": family.extends,
+            "detect": family.detect.model_dump(),
+            "tools": {"parser": family.tools.parser, "delivery": family.tools.delivery},
+            "reasoning": {"parser": family.reasoning.parser, "toggle": family.reasoning.toggle},
+            "stop_tokens": family.stop_tokens}
+
+
+def cmd_families(args: argparse.Namespace) -> int:
+    import json
+
+    from flow.families import FamilyError, builtin_families, family_dirs
+
+    try:
+        families = builtin_families()
+    except FamilyError as exc:
+        print(f"flow families: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([_family_json(f) for f in families.values()], indent=2))
+        return 0
+    for family in families.values():
+        d = family.detect
+        print(f"{family.name}: {family.description or '(no description)'}")
+        rules = [("model_type", d.model_types), ("architectures", d.architectures),
+                 ("name (regex)", d.name_patterns), ("template has", d.template_contains)]
+        for label, values in rules:
+            if values:
+                print(f"    {label + ':':<15}{', '.join(values)}")
+        if not any(values for _, values in rules):
+            how = "the fallback when nothing matches" if family.name == "default" else "only when named"
+            print(f"    {'detected:':<15}never; {how}")
+        tools, reasoning = family.tools, family.reasoning
+        print(f"    {'tools:':<15}{tools.parser} parser, delivered by {tools.delivery}"
+              if tools.parser != "null" else f"    {'tools:':<15}none (null parser)")
+        toggle = f", thinking toggle {reasoning.toggle}" if reasoning.toggle else ""
+        print(f"    {'reasoning:':<15}{reasoning.parser} parser{toggle}"
+              if reasoning.parser != "null" else f"    {'reasoning:':<15}none (null parser)")
+    print(f"\nfrom {', '.join(str(d) for d in family_dirs())} ($FLOW_FAMILY_PATH adds directories); "
+          "`flow models` shows which family each local model gets.")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from flow.bench import main as bench_main
 
@@ -239,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a graph over HTTP")
-    p.add_argument("graph", help="graph file, e.g. graphs/default.toml")
+    p.add_argument("graph", help="graph file, or a bundled graph's name (works from any directory): "
+                                 "`flow serve demo` (tiny smoke-test model), `flow serve default`")
     p.add_argument("--model", help="local model directory or Hugging Face repo id (replaces the graph's model)")
     p.add_argument("--host", help="address to listen on (default: the graph's, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: the graph's, 8080)")
@@ -262,12 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("families", help="list the model families flow knows: detection, tool and reasoning parsers")
+    p.add_argument("--json", action="store_true", help="print a JSON list instead of text")
+    p.set_defaults(func=cmd_families)
+
     p = sub.add_parser("check", help="compile graph files and report every error")
-    p.add_argument("graphs", nargs="+")
+    p.add_argument("graphs", nargs="+", help="graph files or bundled graph names (default, demo)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("viz", help="draw a graph as mermaid or DOT")
-    p.add_argument("graph")
+    p.add_argument("graph", help="graph file or bundled graph name (default, demo)")
     p.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_viz)
