@@ -45,7 +45,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 from pydantic import Field
@@ -53,14 +53,19 @@ from pydantic import Field
 from flow.capabilities import data_dir
 from flow.data_files import DamagedStore, StoreState, open_store
 from flow.prefix import PrefixCacheResource
-from flow.registry import register_resource
-from flow.resources import ModelResource, ModelSet, ResourceConfig
+from flow.resource import Links, Reference, Resource, ResourceConfig
+from flow.resources import ModelResource, ModelSet
 from protocols.errors import ApiError
 from protocols.ir import ContextOverflow
 from runtime.device import DeviceThread
-from runtime.prefix_cache import PrefixCache
+
+if TYPE_CHECKING:
+    from runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger("flow.agent_store")
+
+_TURNS: dict[Path, dict[str, str]] = {}
+_TURNS_LOCK = threading.Lock()
 
 AGENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 AGENT_ID_RULE = "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -89,6 +94,9 @@ _TABLES = {"agents": frozenset(_COLUMNS.split(", ")), "messages": frozenset({"ag
 
 
 class AgentStoreConfig(ResourceConfig):
+    cache: str | None = Field(default=None, description="the prefix_cache resource agents' KV status is read from "
+                                                        "(default: the graph's only one, if any)")
+    models: list[str] = Field(default_factory=list, description="model resources agents may use (default: all)")
     path: str | None = Field(default=None, description="SQLite file of persisted agents (default: "
                                                        "DATA_DIR/agents.sqlite)")
     context_overflow: ContextOverflow = Field(
@@ -113,31 +121,30 @@ class Agent:
     history: tuple[dict[str, Any], ...] | None = None  # loaded when asked for
 
 
-@register_resource
-class AgentStore:
+class AgentStore(Resource):
     type_name: ClassVar[str] = "agent_store"
     Config: ClassVar[type[ResourceConfig]] = AgentStoreConfig
+    references = {"cache": Reference("prefix_cache", required=False),  # agents' KV status
+                  "models": Reference("model", many=True)}  # the models agents may name
     description: ClassVar[str] = "stateful agents (id, model, system prompt, history) in SQLite; survive restarts"
+    config: AgentStoreConfig
 
-    def __init__(self, resource_id: str, config: AgentStoreConfig) -> None:
-        self.id = resource_id
-        self.config = config
+    def __init__(self, resource_id: str, config: ResourceConfig, links: Links) -> None:
+        super().__init__(resource_id, config, links)
+        assert isinstance(config, AgentStoreConfig)
         self.path = Path(config.path).expanduser() if config.path else data_dir() / "agents.sqlite"
-        self.prefix: PrefixCache | None = None
-        self.models: ModelSet | None = None
+        cache = links.optional("cache", PrefixCacheResource)
+        self.prefix: PrefixCache | None = cache.cache if cache is not None else None
+        self.models = ModelSet(links.many("models", ModelResource))
         self._lock = threading.Lock()  # stages call in from worker threads
         self._dbs: dict[bool, sqlite3.Connection] = {}  # persist → its database
-        self._turns: dict[str, str] = {}  # agent id → the request answering its current turn
-        self._turns_lock = threading.Lock()  # not ``_lock``: releasing a turn must not wait for SQLite
+        # agent id → the request answering its current turn. Shared by every store on the same file: a reload
+        # that rebuilds the store must not let a new turn start while the old store's turn is still running.
+        self._turns = _TURNS.setdefault(self.path.resolve(), {})
+        self._turns_lock = _TURNS_LOCK  # not ``_lock``: releasing a turn must not wait for SQLite
         self.state = StoreState("agents API", self.path, "agent_store")  # damaged: every agents route is a 503
 
     # ------------------------------------------------------------------ resource protocol
-    def bind(self, resources: Mapping[str, Any]) -> None:
-        """Find the graph's prefix cache (for agents' KV status) and its models (to check model names)."""
-        caches = [r for r in resources.values() if isinstance(r, PrefixCacheResource)]
-        self.prefix = caches[0].cache if caches else None
-        if any(isinstance(r, ModelResource) for r in resources.values()):
-            self.models = ModelSet.from_resources(resources)
 
     async def start(self, device: DeviceThread) -> None:
         await trio.to_thread.run_sync(self._open)  # quick_check reads the whole file
@@ -167,7 +174,7 @@ class AgentStore:
             self._dbs = {}
             self.state.open = False
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any] | None:
         try:
             with self._lock, self.state.guard():
                 counts = {persist: db.execute("SELECT COUNT(*) FROM agents").fetchone()[0]
@@ -182,7 +189,7 @@ class AgentStore:
     # ------------------------------------------------------------------ agents
     def model_name(self, model: str) -> str:
         """The canonical name of the model ``model`` names (404 ``model_not_found`` if none)."""
-        return model if self.models is None else self.models.lookup(model).name
+        return self.models.lookup(model).name
 
     def overflow(self, agent: Agent) -> ContextOverflow:
         return agent.context_overflow or self.config.context_overflow

@@ -6,15 +6,19 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flow.bundled import resolve_graph_path
 from flow.compiler import CompileError, CompiledGraph, GraphError, compile_file, compile_tables
-from flow.spec import SpecError, load_tables
+from flow.spec import SpecError, graph_files, load_tables
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from flow.families import Family
+    from flow.resource import Reference
     from flow.local_models import LocalModel
 
 
@@ -45,17 +49,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flow.server import FlowServer, first_error, serve
     from runtime.models import ModelNotAvailable
 
-    graph = _load_graph(str(resolve_graph_path(args.graph)), model=args.model)
-    if args.api_key is not None:
-        graph.spec.server.api_key = args.api_key
+    path = str(resolve_graph_path(args.graph))
+
+    def load() -> CompiledGraph:
+        """The graph as served: the file, with the command line's overrides (again at each reload)."""
+        loaded = _load_graph(path, model=args.model)
+        if args.api_key is not None:
+            loaded.spec.server.api_key = args.api_key
+        return loaded
+
+    graph = load()
     host = args.host or graph.spec.server.host
     port = args.port if args.port is not None else graph.spec.server.port
     blas.advise()
-    server = FlowServer(graph)
+    server = FlowServer(graph, loader=load)
+    watched = (lambda: graph_files(Path(path))) if args.watch else None
 
     async def main() -> None:
         async def started_banner(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-            await serve(server, host, port, task_status=task_status)
+            await serve(server, host, port, watch_files=watched, task_status=task_status)
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(started_banner)
@@ -113,24 +125,37 @@ def cmd_viz(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_stages(args: argparse.Namespace) -> int:
+def _config_keys(config: type[BaseModel], references: Mapping[str, Reference]) -> list[str]:
+    """One line per config key: type, default, what it is; references say what they name."""
     from flow.compiler import type_label
-    from flow.registry import resource_types, stage_types
 
-    for name, cls in stage_types().items():
+    lines = []
+    for key, field in config.model_fields.items():
+        default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
+        about = references[key].describe() if key in references else field.description or ""
+        lines.append(f"    {key}: {type_label(field.annotation)} ({default}) {about}".rstrip())
+    return lines
+
+
+def cmd_stages(args: argparse.Namespace) -> int:
+    from flow.builtins import default_registry
+    from flow.compiler import type_label
+    from flow.stage import EntryStage, ExitStage
+
+    registry = default_registry()
+    for name, cls in registry.stages.items():
         print(f"{name}: {type_label(cls.input_type)} -> {type_label(cls.output_type)}")
         if cls.description:
             print(f"    {cls.description}")
-        for key, field in cls.Config.model_fields.items():
-            default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
-            ref = f", names {cls.resource_fields[key]!r} resources" if key in cls.resource_fields else ""
-            print(f"    {key}: {type_label(field.annotation)} ({default}{ref})")
+        if issubclass(cls, EntryStage):
+            print(f"    entry: takes routes and exit; hands its exit {cls.context_type.__name__}")
+        if issubclass(cls, ExitStage):
+            print(f"    exit: reads {cls.reads_context.__name__}")
+        print("\n".join(_config_keys(cls.Config, cls.references)))
     print()
-    for name, rcls in resource_types().items():
+    for name, rcls in registry.resources.items():
         print(f"[resources.*] type = {name!r}: {rcls.description}")
-        for key, field in rcls.Config.model_fields.items():
-            default = "required" if field.is_required() else f"default {field.get_default(call_default_factory=True)!r}"
-            print(f"    {key}: {type_label(field.annotation)} ({default}) {field.description or ''}")
+        print("\n".join(_config_keys(rcls.Config, rcls.references)))
     return 0
 
 
@@ -292,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("FLOW_API_KEY") or None,
                    help="require this key on every API route (x-api-key or Authorization: Bearer); "
                         "default: $FLOW_API_KEY, else the graph's server.api_key, else none")
+    p.add_argument("--watch", action="store_true",
+                   help="reload the graph when its file (or one it extends) changes; SIGHUP and "
+                        "POST /admin/reload reload it too")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("probe", help="find out how a model takes tools and thinking; remember it for serving")

@@ -26,14 +26,19 @@ from typing import Any
 import networkx as nx
 from pydantic import BaseModel, ValidationError
 
-from flow.registry import resource_types, stage_types
+from flow.builtins import default_registry
+from flow.registry import Registry
+from flow.resource import Reference, Resource
 from flow.spec import GraphSpec, SpecError, load_tables
-from protocols.ir import UNION_NAMES
 from flow.stage import EntryStage, ExitStage, Stage, StageConfig
+from protocols.ir import UNION_NAMES
 
 # Keys every stage table may have, beside its type's own config keys.
 STAGE_KEYS = ("type", "inputs", "buffer", "routes", "exit")
 DEFAULT_BUFFER = 16
+# Paths the HTTP shell answers itself (observability, administration); no graph route may take them.
+SHELL_PATHS = {"/health": "health", "/metrics": "Prometheus metrics", "/stats": "statistics",
+               "/admin/reload": "live reload"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,10 @@ class CompileError(Exception):
         super().__init__("\n".join(lines))
 
 
+# A stage's or resource's resolved references: config field → the resource ids it names.
+Refs = Mapping[str, tuple[str, ...]]
+
+
 @dataclass(frozen=True)
 class CompiledStage:
     id: str
@@ -62,15 +71,27 @@ class CompiledStage:
     config: StageConfig
     inputs: tuple[str, ...]
     buffer: int
-    resources: tuple[str, ...]
+    refs: Refs
+
+    @property
+    def resources(self) -> tuple[str, ...]:
+        return tuple(rid for ids in self.refs.values() for rid in ids)
 
 
 @dataclass(frozen=True)
 class CompiledResource:
     id: str
     type_name: str
-    cls: type[Any]
+    cls: type[Resource]
     config: BaseModel
+    refs: Refs  # every reference, used or served
+    uses: tuple[str, ...]  # resources built before it and handed to it
+    served_by: tuple[str, ...]  # resources whose ``serves`` reference names it (built before it)
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        """What must be built (and kept) for it to be kept."""
+        return (*self.uses, *self.served_by)
 
 
 @dataclass(frozen=True)
@@ -89,8 +110,9 @@ class CompiledGraph:
     source: str
     spec: GraphSpec
     stages: Mapping[str, CompiledStage]
-    resources: Mapping[str, CompiledResource]
+    resources: Mapping[str, CompiledResource]  # in build order: every resource after what it depends on
     routes: tuple[Route, ...]
+    default_exit: str  # the exit stage whose protocol shapes errors on paths no route matches
     graph: nx.DiGraph = field(repr=False)
 
 
@@ -159,23 +181,26 @@ def parse_route(text: str) -> tuple[str, str] | None:
 
 
 class _Compiler:
-    def __init__(self, spec: GraphSpec, source: str) -> None:
+    def __init__(self, spec: GraphSpec, source: str, registry: Registry) -> None:
         self.spec = spec
         self.source = source
         self.errors: list[GraphError] = []
-        self.stage_types = stage_types()
-        self.resource_types = resource_types()
+        self.stage_types = registry.stages
+        self.resource_types = registry.resources
         self.stages: dict[str, CompiledStage] = {}
         self.resources: dict[str, CompiledResource] = {}
         self.entries: dict[str, tuple[list[str], str | None]] = {}
         # Every stage whose type is known, even if its config is wrong, so edges still get checked.
         self.declared: dict[str, tuple[type[Stage[Any, Any]], tuple[str, ...]]] = {}
+        # Every resource's type as written (if known), so references to it are checked even if its config is wrong.
+        self.kinds: dict[str, str] = {}
 
     def error(self, path: str, message: str, hint: str | None = None) -> None:
         self.errors.append(GraphError(path, message, hint))
 
     # ---------------------------------------------------------------- resources
     def compile_resources(self) -> None:
+        validated: dict[str, tuple[type[Resource], BaseModel]] = {}
         for rid, table in self.spec.resources.items():
             path = f"resources.{rid}"
             if "." in rid:
@@ -188,13 +213,84 @@ class _Compiler:
             if cls is None:
                 self.error(f"{path}.type", f"unknown resource type {rtype!r}", _did_you_mean(rtype, self.resource_types))
                 continue
+            self.kinds[rid] = rtype
             body = {k: v for k, v in table.items() if k != "type"}
             try:
-                config = cls.Config.model_validate(body)
+                validated[rid] = (cls, cls.Config.model_validate(body))
             except ValidationError as exc:
                 self.errors.extend(_pydantic_errors(path, exc, cls.Config.model_fields))
-                continue
-            self.resources[rid] = CompiledResource(rid, rtype, cls, config)
+        refs = {rid: self._resolve(f"resources.{rid}", cls.references, config)
+                for rid, (cls, config) in validated.items()}
+        served_by: dict[str, list[str]] = {rid: [] for rid in validated}
+        claimed: dict[tuple[str, str, str], str] = {}  # (referrer type, field, target) → the first referrer
+        for rid, (cls, _) in validated.items():
+            for name, ref in cls.references.items():
+                for target in refs[rid].get(name, ()):
+                    if ref.exclusive:
+                        first = claimed.setdefault((cls.type_name, name, target), rid)
+                        if first != rid:
+                            self.error(f"resources.{rid}.{name}",
+                                       f"resource conflict: {target!r} is already named by {cls.type_name} {first!r}; "
+                                       f"a {self.kinds.get(target, '?')} belongs to one {cls.type_name}",
+                                       f"write the {name} each {cls.type_name} serves, e.g. {name} = [...]")
+                            continue
+                    if ref.serves and target in served_by:
+                        served_by[target].append(rid)
+        built = nx.DiGraph()  # X → Y: X is built before Y
+        built.add_nodes_from(validated)
+        for rid, (cls, _) in validated.items():
+            for name, ref in cls.references.items():
+                for target in refs[rid].get(name, ()):
+                    if target in validated:
+                        built.add_edge(*((rid, target) if ref.serves else (target, rid)))
+        if not nx.is_directed_acyclic_graph(built):
+            cycle = nx.find_cycle(built)
+            loop = " → ".join([*(src for src, _ in cycle), cycle[0][0]])
+            self.error(f"resources.{cycle[0][0]}", f"resources refer to each other in a cycle: {loop}",
+                       "references between resources must not loop")
+            return
+        for rid in nx.lexicographical_topological_sort(built):
+            cls, config = validated[rid]
+            uses = tuple(t for name, ref in cls.references.items() if not ref.serves for t in refs[rid].get(name, ()))
+            self.resources[rid] = CompiledResource(rid, cls.type_name, cls, config, types.MappingProxyType(refs[rid]),
+                                                   uses, tuple(served_by[rid]))
+
+    def _resolve(self, path: str, references: Mapping[str, Reference], config: BaseModel) -> dict[str, tuple[str, ...]]:
+        """Resolve the config fields that name resources: unknown ids, wrong kinds and missing or ambiguous
+        defaults are errors (with the valid ids); returns field → the ids it names."""
+        out: dict[str, tuple[str, ...]] = {}
+        for fname, ref in references.items():
+            value = getattr(config, fname)
+            single = not ref.many
+            names = [value] if isinstance(value, str) else list(value or [])
+            of_kind = [rid for rid, kind in self.kinds.items() if kind == ref.kind]
+            where = f"{path}.{fname}"
+            if not names:  # none named: every resource of the kind (many), or the only one
+                if ref.many or len(of_kind) == 1:
+                    names = of_kind
+                elif len(of_kind) > 1:
+                    self.error(where, f"the graph has {len(of_kind)} {ref.kind!r} resources; name the one to use",
+                               f"valid values: {', '.join(of_kind)}")
+                    continue
+                if not names and ref.required:
+                    self.error(where, f"needs a resource of type {ref.kind!r} and the graph has none",
+                               f"add a [resources.NAME] table with type = {ref.kind!r}")
+            good: list[str] = []
+            for i, name in enumerate(names):
+                at = where if single else f"{where}[{i}]"
+                kind = self.kinds.get(name)
+                if name not in self.spec.resources:
+                    self.error(at, f"no resource named {name!r}",
+                               _did_you_mean(name, of_kind) or f"no {ref.kind!r} resource is declared")
+                elif kind is not None and kind != ref.kind:
+                    self.error(at, f"resource conflict: {name!r} is a {kind!r} resource, this needs a {ref.kind!r} one",
+                               _did_you_mean(name, of_kind))
+                elif name in good:
+                    self.error(at, f"{name!r} is named twice")
+                else:
+                    good.append(name)
+            out[fname] = tuple(good)
+        return out
 
     # ---------------------------------------------------------------- stages
     def compile_stages(self) -> None:
@@ -228,8 +324,9 @@ class _Compiler:
             except ValidationError as exc:
                 self.errors.extend(_pydantic_errors(path, exc, [*cls.Config.model_fields, *STAGE_KEYS]))
                 continue
-            bound = self._bind_resources(path, cls, config)
-            self.stages[sid] = CompiledStage(sid, stype, cls, config, tuple(inputs), buffer, bound)
+            refs = self._resolve(path, cls.references, config)
+            self.stages[sid] = CompiledStage(sid, stype, cls, config, tuple(inputs), buffer,
+                                             types.MappingProxyType(refs))
 
     def _check_entry_keys(self, sid: str, path: str, cls: type[Stage[Any, Any]], table: dict[str, Any]) -> None:
         is_entry = issubclass(cls, EntryStage)
@@ -256,26 +353,6 @@ class _Compiler:
             self.error(f"{path}.exit", "missing exit: the stage whose output answers this entry's requests")
             exit_id = None
         self.entries[sid] = (good, exit_id)
-
-    def _bind_resources(self, path: str, cls: type[Stage[Any, Any]], config: StageConfig) -> tuple[str, ...]:
-        bound: list[str] = []
-        for fname, rtype in cls.resource_fields.items():
-            value = getattr(config, fname)
-            names = [value] if isinstance(value, str) else list(value or [])
-            if not names:  # none named: every resource of that type
-                names = [rid for rid, r in self.resources.items() if r.type_name == rtype]
-                if not names:
-                    self.error(f"{path}.{fname}", f"needs a resource of type {rtype!r} and the graph has none",
-                               f"add a [resources.NAME] table with type = {rtype!r}")
-            for i, name in enumerate(names):
-                res = self.resources.get(name)
-                where = f"{path}.{fname}" + (f"[{i}]" if not isinstance(value, str) else "")
-                if res is None and name not in self.spec.resources:
-                    self.error(where, f"no resource named {name!r}", _did_you_mean(name, self.spec.resources))
-                elif res is not None and res.type_name != rtype:
-                    self.error(where, f"resource conflict: {name!r} is a {res.type_name!r} resource, this stage needs a {rtype!r} one")
-                bound.append(name)
-        return tuple(bound)
 
     # ---------------------------------------------------------------- edges
     def build_graph(self) -> nx.DiGraph:
@@ -321,6 +398,8 @@ class _Compiler:
                     self.error(f"{path}.exit", f"{exit_id!r} ({exit_stage.type_name}) is not an exit stage",
                                "name a stage that formats responses, e.g. openai.chat.format")
                     continue
+                if exit_id != sid and not self._contract_holds(path, sid, exit_id, graph):
+                    continue
                 if exit_id == sid:  # a stage that answers by itself (e.g. GET /v1/responses/{id})
                     on_path = {sid}
                 elif not acyclic or sid not in graph or exit_id not in nx.descendants(graph, sid):
@@ -332,6 +411,10 @@ class _Compiler:
                 order = tuple(nx.topological_sort(sub))
                 for text in texts:
                     method, url = parse_route(text)  # type: ignore[misc]
+                    if url in SHELL_PATHS:
+                        self.error(f"{path}.routes", f"{url} is the server's own ({SHELL_PATHS[url]})",
+                                   "choose another path")
+                        continue
                     if (method, url) in seen:
                         self.error(f"{path}.routes", f"route {method} {url} is already served by {seen[(method, url)]!r}")
                         continue
@@ -344,33 +427,64 @@ class _Compiler:
                            f'add exit = "{sid}" to an entry stage')
         return routes
 
+    def _contract_holds(self, path: str, entry_id: str, exit_id: str, graph: nx.DiGraph) -> bool:
+        """The exit reads the context the entry hands on (a subclass of what it reads)."""
+        entry_cls, exit_cls = self.declared[entry_id][0], self.declared[exit_id][0]
+        assert issubclass(entry_cls, EntryStage) and issubclass(exit_cls, ExitStage)
+        handed, read = entry_cls.context_type, exit_cls.reads_context
+        if issubclass(handed, read):
+            return True
+        reachable = nx.descendants(graph, entry_id) if entry_id in graph else set()
+        fitting = sorted(sid for sid, (cls, _) in self.declared.items()
+                         if sid in reachable and issubclass(cls, ExitStage) and issubclass(handed, cls.reads_context))
+        self.error(f"{path}.exit", f"contract mismatch: exit {exit_id!r} ({exit_cls.type_name}) reads "
+                   f"{read.__name__}, entry {entry_id!r} ({entry_cls.type_name}) hands on {handed.__name__}",
+                   f"exits that can answer {entry_id!r}: {', '.join(fitting)}" if fitting else
+                   f"add an exit stage that reads {handed.__name__}")
+        return False
+
+    def default_exit(self, routes: list[Route]) -> str:
+        named = self.spec.server.default_exit
+        if named is None:
+            if not routes and not self.errors:
+                self.error("stages", "the graph serves no route", "add an entry stage with routes and an exit")
+            return routes[0].exit if routes else ""
+        cls = self.declared.get(named, (None, ()))[0]
+        if named not in self.spec.stages:
+            self.error("server.default_exit", f"no stage named {named!r}",
+                       _did_you_mean(named, [sid for sid, (c, _) in self.declared.items() if issubclass(c, ExitStage)]))
+        elif cls is not None and not issubclass(cls, ExitStage):
+            self.error("server.default_exit", f"{named!r} ({cls.type_name}) is not an exit stage")
+        return named
+
     def run(self) -> CompiledGraph:
         self.compile_resources()
         self.compile_stages()
         graph = self.build_graph()
         routes = self.compile_routes(graph)
+        default_exit = self.default_exit(routes)
         if self.errors:
             raise CompileError(self.errors, self.source)
         return CompiledGraph(self.spec.name, self.source, self.spec, types.MappingProxyType(self.stages),
-                             types.MappingProxyType(self.resources), tuple(routes), nx.freeze(graph))
+                             types.MappingProxyType(self.resources), tuple(routes), default_exit, nx.freeze(graph))
 
 
-def compile_spec(spec: GraphSpec, source: str = "") -> CompiledGraph:
-    return _Compiler(spec, source).run()
+def compile_spec(spec: GraphSpec, source: str = "", registry: Registry | None = None) -> CompiledGraph:
+    return _Compiler(spec, source, registry or default_registry()).run()
 
 
-def compile_tables(tables: dict[str, Any], source: str = "") -> CompiledGraph:
+def compile_tables(tables: dict[str, Any], source: str = "", registry: Registry | None = None) -> CompiledGraph:
     try:
         spec = GraphSpec.model_validate(tables)
     except ValidationError as exc:
         raise CompileError(_pydantic_errors("", exc, GraphSpec.model_fields), source) from None
-    return compile_spec(spec, source)
+    return compile_spec(spec, source, registry)
 
 
-def compile_file(path: str | Path) -> CompiledGraph:
+def compile_file(path: str | Path, registry: Registry | None = None) -> CompiledGraph:
     """Read, merge and compile a graph file; raises :class:`CompileError` with every problem."""
     try:
         tables = load_tables(Path(path))
     except SpecError as exc:
         raise CompileError([GraphError(exc.path, exc.message)], str(path)) from None
-    return compile_tables(tables, str(path))
+    return compile_tables(tables, str(path), registry)

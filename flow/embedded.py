@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from flow.compiler import CompiledGraph
-from flow.server import FlowServer, serve
+from flow.server import FlowServer, GraphLoader, serve
 
 
 class RunningServer:
@@ -34,8 +34,10 @@ class RunningServer:
 
 
 @contextmanager
-def running_server(graph: CompiledGraph, host: str = "127.0.0.1") -> Iterator[RunningServer]:
-    server = FlowServer(graph)
+def running_server(graph: CompiledGraph, host: str = "127.0.0.1",
+                   loader: GraphLoader | None = None) -> Iterator[RunningServer]:
+    """Serve ``graph``; ``loader`` compiles the graph again for a reload (``POST /admin/reload``)."""
+    server = FlowServer(graph, loader=loader)
     ready = threading.Event()
     box: dict[str, Any] = {}
 

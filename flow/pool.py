@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import trio
 from pydantic import Field
 
-from flow.registry import register_resource
-from flow.resources import ModelResource, ResourceConfig
+from flow.resource import Links, Reference, Resource, ResourceConfig
+from flow.resources import ModelResource
 from protocols.errors import ApiError
-from runtime.device import DeviceThread
 from runtime.models import resolve_model_path, weight_bytes_on_disk
 
 log = logging.getLogger("flow.pool")
@@ -39,33 +37,32 @@ class PoolConfig(ResourceConfig):
     idle_unload_seconds: float | None = Field(default=None, gt=0, description="unload unpinned models idle this long")
     grace_seconds: float = Field(default=2.0, ge=0, description="a model used this recently counts as busy")
     wait_seconds: float = Field(default=120.0, gt=0, description="how long a load waits for room before 429/529")
+    models: list[str] = Field(default_factory=list, description="model resources it manages (default: all)")
 
 
-@register_resource
-class ModelPool:
+class ModelPool(Resource):
     type_name: ClassVar[str] = "model_pool"
     Config: ClassVar[type[ResourceConfig]] = PoolConfig
+    references = {"models": Reference("model", many=True, serves=True, exclusive=True)}
     description: ClassVar[str] = "shares load limits (count, bytes, idle time) among the graph's models"
+    config: PoolConfig
 
-    def __init__(self, resource_id: str, config: PoolConfig) -> None:
-        self.id = resource_id
-        self.config = config
+    def __init__(self, resource_id: str, config: ResourceConfig, links: Links) -> None:
+        super().__init__(resource_id, config, links)
         self.models: list[ModelResource] = []
         self.evictions = 0
         self.idle_unloads = 0
         self._room: trio.Lock | None = None  # made inside the trio run, on first use
 
-    def bind(self, resources: Mapping[str, Any]) -> None:
-        """Take charge of every model resource of the graph."""
-        self.models = [r for r in resources.values() if isinstance(r, ModelResource)]
-        for model in self.models:
-            model.pool = self
+    def serve(self, target: Resource) -> None:
+        """Take charge of a model before it loads."""
+        assert isinstance(target, ModelResource)
+        self.models.append(target)
+        target.pool = self
 
-    async def start(self, device: DeviceThread) -> None:
-        """Nothing to load; the models load themselves."""
-
-    def close(self) -> None:
-        """The models close themselves."""
+    def release(self, target: Resource) -> None:
+        if target in self.models:
+            self.models.remove(target)
 
     def _loaded(self, besides: ModelResource | None = None) -> list[ModelResource]:
         return [m for m in self.models if m.loaded is not None and m is not besides]
@@ -116,7 +113,7 @@ class ModelPool:
                     self.idle_unloads += 1
                     await model.unload()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any] | None:
         loaded = self._loaded()
         return {
             "type": self.type_name,

@@ -9,8 +9,8 @@ Declaring it is all it takes::
     disk_max_bytes = 8589934592
     default_ttl_seconds = 86400
 
-It attaches itself to every model resource of the graph (or those named in
-``models``) before they load; each model's engine then reuses cached prefixes
+It serves every model resource of the graph (or those named in ``models``; a
+model has at most one prefix cache), taken in before they load; each model's engine then reuses cached prefixes
 and adds its sequences' blocks (see :mod:`runtime.prefix_cache`). Keys start
 from the model's weights, so models never share blocks. While serving, it
 deletes expired blocks every ``sweep_seconds``.
@@ -23,20 +23,21 @@ cannot write) leaves the cache in memory only, with the reason in ``/stats``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 from pydantic import Field
 
 from flow.capabilities import data_dir, private_data_dir
 from flow.metrics import Metric
-from flow.registry import register_resource
-from flow.resources import ModelResource, ResourceConfig
+from flow.resource import Links, Reference, Resource, ResourceConfig
+from flow.resources import ModelResource
 from runtime.device import DeviceThread
-from runtime.kv_disk import DiskTier
-from runtime.prefix_cache import PrefixCache, PrefixConfig
+
+if TYPE_CHECKING:
+    from runtime.kv_disk import DiskTier
+    from runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger("flow.prefix")
 
@@ -54,15 +55,17 @@ class PrefixCacheConfig(ResourceConfig):
     models: list[str] = Field(default_factory=list, description="model resources that use it (default: all)")
 
 
-@register_resource
-class PrefixCacheResource:
+class PrefixCacheResource(Resource):
     type_name: ClassVar[str] = "prefix_cache"
     Config: ClassVar[type[ResourceConfig]] = PrefixCacheConfig
+    references = {"models": Reference("model", many=True, serves=True, exclusive=True)}
     description: ClassVar[str] = "KV prefix cache in token blocks: memory, then disk; shared by sessions"
+    config: PrefixCacheConfig
 
-    def __init__(self, resource_id: str, config: PrefixCacheConfig) -> None:
-        self.id = resource_id
-        self.config = config
+    def __init__(self, resource_id: str, config: ResourceConfig, links: Links) -> None:
+        super().__init__(resource_id, config, links)
+        from runtime.prefix_cache import PrefixCache, PrefixConfig  # MLX: only when a graph is built
+
         self.cache = PrefixCache(PrefixConfig(block_tokens=config.block_tokens, hot_bytes=config.hot_bytes,
                                               default_ttl=config.default_ttl_seconds))
         self._device: DeviceThread | None = None
@@ -72,11 +75,10 @@ class PrefixCacheResource:
     def directory(self) -> Path:
         return Path(self.config.directory).expanduser() if self.config.directory else data_dir() / "kv-cache"
 
-    def bind(self, resources: Mapping[str, Any]) -> None:
-        """Attach to the graph's models before they load."""
-        for rid, resource in resources.items():
-            if isinstance(resource, ModelResource) and (not self.config.models or rid in self.config.models):
-                resource.prefix_cache = self.cache
+    def serve(self, target: Resource) -> None:
+        """A model it serves was built: its engine will use this cache once it loads."""
+        assert isinstance(target, ModelResource)
+        target.prefix_cache = self.cache
 
     async def start(self, device: DeviceThread) -> None:
         self._device = device
@@ -94,7 +96,7 @@ class PrefixCacheResource:
         default = self.config.directory is None
         if default:
             private_data_dir()  # the data directory is flow's: 0700, even if an older version made it
-        return DiskTier(self.directory, self.config.disk_max_bytes, own_directory=default)
+        return open_tier(self.directory, self.config.disk_max_bytes, own_directory=default)
 
     async def run(self) -> None:
         """Delete expired blocks now and then (on the device thread: they hold MLX arrays)."""
@@ -105,9 +107,9 @@ class PrefixCacheResource:
 
     def close(self) -> None:
         if self.cache.disk is not None:
-            self.cache.disk.close()
+            close_tier(self.cache.disk)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any] | None:
         out = {"type": self.type_name, **self.cache.stats_json()}
         if self.disk_error is not None:
             out["disk_error"] = self.disk_error
@@ -135,3 +137,34 @@ class PrefixCacheResource:
         evictions = Metric("flow_prefix_cache_evictions_total", "Blocks pushed out of memory.", "counter")
         evictions.set(s["evictions"], **rid)
         return [lookups, hits, reused, rate, blocks, size, evictions]
+
+
+# One warm tier per directory in the process: a reload that rebuilds a prefix cache opens the new one while
+# the old one still serves its last requests, and two tiers on one directory would each take the other's
+# block files for orphans. The tier is shared, counted, and closed with its last user.
+_open_tiers: dict[Path, tuple[DiskTier, int]] = {}
+
+
+def open_tier(directory: Path, max_bytes: int, *, own_directory: bool) -> DiskTier:
+    from runtime.kv_disk import DiskTier
+
+    key = directory.resolve()
+    found = _open_tiers.get(key)
+    if found is not None:
+        tier, users = found
+        tier.max_bytes = max_bytes  # the newest config's cap
+        _open_tiers[key] = (tier, users + 1)
+        return tier
+    tier = DiskTier(directory, max_bytes, own_directory=own_directory)
+    _open_tiers[key] = (tier, 1)
+    return tier
+
+
+def close_tier(tier: DiskTier) -> None:
+    for key, (open_one, users) in list(_open_tiers.items()):
+        if open_one is tier:
+            if users > 1:
+                _open_tiers[key] = (tier, users - 1)
+                return
+            del _open_tiers[key]
+    tier.close()

@@ -27,7 +27,7 @@ from protocols.errors import ApiError
 from protocols.ir import ChatRequest, Message, ToolCallDelta
 from protocols.parsers import TOOL_PARSERS, make_response_parser, make_tool_parser
 from runtime.device import shared_device
-from runtime.engine import EngineConfig
+from runtime.engine_config import EngineConfig
 from runtime.models import LoadedModel, load_model, resolve_model_path
 from stages.chat import render_prompt
 

@@ -1,8 +1,10 @@
-"""Long-lived resources that graphs declare under ``[resources.*]``.
+"""The ``model`` resource: a loaded model, its tokenizer and its engine.
 
-A resource outlives requests: the ``model`` resource owns a loaded model, its
-tokenizer and its engine. Stages are handed resources by name when the server
-starts; requests only borrow them.
+A resource outlives requests (see :mod:`flow.resource`). A model is served by
+at most one prefix cache and one model pool, each of which names it in its own
+``models`` reference; they take it in through :meth:`Resource.serve` when it is
+built, before it loads. The MLX side (:mod:`runtime.models`) is imported when a
+model loads, so compiling, checking and drawing graphs never imports MLX.
 """
 
 from __future__ import annotations
@@ -12,25 +14,33 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import trio
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from flow.capabilities import CapabilityStore, family_from_capabilities
 from flow.families import Family, builtin_families, resolve_family
-from flow.registry import register_resource
+from flow.resource import Links, Reference, Resource, ResourceConfig
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
-from runtime.engine import EngineConfig, Strategy
-from runtime.models import LoadedModel, load_model, resolve_model_path, unload_model
-from runtime.prefix_cache import PrefixCache
+from runtime.engine_config import EngineConfig, Strategy
+
+if TYPE_CHECKING:
+    from runtime.models import LoadedModel
+    from runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger("flow.resources")
 
 
-class ResourceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# The reference stages and resources use to name the models they serve.
+MODEL_REFERENCES = {"models": Reference("model", many=True)}
+
+
+class LoadGate(Protocol):
+    """What a model asks of the pool that serves it before it loads."""
+
+    async def make_room(self, incoming: ModelResource) -> None: ...
 
 
 class ModelConfig(ResourceConfig):
@@ -62,20 +72,21 @@ class ModelConfig(ResourceConfig):
         return value
 
 
-@register_resource
-class ModelResource:
+class ModelResource(Resource):
     type_name: ClassVar[str] = "model"
     Config: ClassVar[type[ResourceConfig]] = ModelConfig
     description: ClassVar[str] = "an MLX language model with its tokenizer and generation engine"
+    config: ModelConfig
 
-    def __init__(self, resource_id: str, config: ModelConfig) -> None:
-        self.id = resource_id
-        self.config = config
+    def __init__(self, resource_id: str, config: ResourceConfig, links: Links) -> None:
+        super().__init__(resource_id, config, links)
+        assert isinstance(config, ModelConfig)
         self.name = config.name or resource_id
         self.loaded: LoadedModel | None = None
         self.family: Family = builtin_families()["default"]
-        self.pool: Any = None  # the graph's model_pool resource, if it has one (set by its bind())
-        self.prefix_cache: PrefixCache | None = None  # the graph's prefix cache, if any (set by its bind())
+        self.pool: LoadGate | None = None  # the model_pool serving it, if any (set by its serve())
+        self.prefix_cache: PrefixCache | None = None  # the prefix cache serving it, if any (set by its serve())
+        self.created = time.time()  # "created" in the model listing: kept across reloads with the resource
         self.last_used = 0.0
         self.loads = 0
         self._device: DeviceThread | None = None
@@ -118,6 +129,8 @@ class ModelResource:
             self._loading = None
 
     async def _load(self, device: DeviceThread) -> None:
+        from runtime.models import load_model, resolve_model_path  # MLX: only once a model loads
+
         path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
@@ -152,12 +165,18 @@ class ModelResource:
     async def unload(self) -> None:
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
+            from runtime.models import unload_model
+
             await trio.to_thread.run_sync(unload_model, loaded, loaded.engine.device)
             log.info("model %s unloaded (%.0f MiB freed)", self.name, loaded.weight_bytes / 2**20)
 
     def close(self) -> None:
         if self.loaded is not None:
             self.loaded.engine.close()
+
+    async def retire(self) -> None:
+        """Replaced by a reload: free its weights and KV memory too."""
+        await self.unload()
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -185,10 +204,6 @@ class ModelSet:
         for model in models:
             for model_id in model.ids:
                 self._by_id.setdefault(model_id, model)
-
-    @classmethod
-    def from_resources(cls, resources: Mapping[str, Any]) -> ModelSet:
-        return cls(r for r in resources.values() if isinstance(r, ModelResource))
 
     def lookup(self, model_id: str) -> ModelResource:
         found = self._by_id.get(model_id)

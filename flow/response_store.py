@@ -45,8 +45,7 @@ from pydantic import Field
 
 from flow.capabilities import data_dir
 from flow.data_files import DamagedStore, StoreState, open_store
-from flow.registry import register_resource
-from flow.resources import ResourceConfig
+from flow.resource import Links, Resource, ResourceConfig
 from protocols.errors import ApiError
 from protocols.ir import Message
 from runtime.device import DeviceThread
@@ -90,15 +89,15 @@ class _Entry:
     expires: float
 
 
-@register_resource
-class ResponseStore:
+class ResponseStore(Resource):
     type_name: ClassVar[str] = "response_store"
     Config: ClassVar[type[ResourceConfig]] = ResponseStoreConfig
     description: ClassVar[str] = "stored Responses API responses in SQLite (TTL + byte-capped LRU); survive restarts"
+    config: ResponseStoreConfig
 
-    def __init__(self, resource_id: str, config: ResponseStoreConfig) -> None:
-        self.id = resource_id
-        self.config = config
+    def __init__(self, resource_id: str, config: ResourceConfig, links: Links) -> None:
+        super().__init__(resource_id, config, links)
+        assert isinstance(config, ResponseStoreConfig)
         self.path = Path(config.path).expanduser() if config.path else data_dir() / "responses.sqlite"
         self._db: sqlite3.Connection | None = None
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
@@ -150,7 +149,7 @@ class ResponseStore:
             self._db = None
             self.state.open = False
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any] | None:
         if self.damaged is not None or self._db is None:
             return {"type": self.type_name, "state": "damaged" if self.damaged is not None else "closed",
                     "reason": self.damaged, "path": str(self.path)}

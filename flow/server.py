@@ -1,58 +1,63 @@
-"""The thin HTTP shell: quart-trio on hypercorn, routes built from a compiled graph.
+"""Serving a live graph over HTTP: requests, graceful stop, live reload.
 
 Theory of operation
 -------------------
-:class:`FlowServer` instantiates a compiled graph: resources (models load on
-the device thread), one instance per stage, one :class:`RouteRunner` per route.
-Each route becomes a Quart view that turns the HTTP request into an
-:class:`HttpRequest` item and starts the request's run in the app's nursery
-under its own cancel scope. The view waits for the first :class:`WireFrame`:
-its status and headers become the response head; a streaming frame makes the
-rest of the run the response body.
+:class:`FlowServer` holds the :class:`~flow.live.LiveGraph`. The HTTP app
+(:mod:`flow.http`) matches each request against the current generation's
+routes and hands it to :meth:`FlowServer.respond`, which starts the request's
+run in the app's nursery under its own cancel scope and waits for the first
+:class:`WireFrame`: its status and headers become the response head; a
+streaming frame makes the rest of the run the response body. The request holds
+its generation until the run ends, so a reload never pulls a resource from
+under it.
 
-Whatever ends the response early — the client disconnecting (quart-trio then
-cancels the view or the body iterator) or the body finishing — cancels the
-run's scope, and with it every stage task and the engine sequence.
+Whatever ends the response early — the client disconnecting or the body
+finishing — cancels the run's scope, and with it every stage task and the
+engine sequence.
 
 Errors become the route's protocol shape: before the first frame, the exit
-stage's ``error_response``; after it, the exit stage's ``error_frames`` end
-the stream. Nothing reaches a client as a traceback, and the server stays up.
+stage's ``error_response``; after it, its ``error_frames`` end the stream.
+Nothing reaches a client as a traceback, and the server stays up.
+
+Reload (``SIGHUP``, ``POST /admin/reload``, ``flow serve --watch``): the graph
+is compiled whole by the server's loader; any error changes nothing and is
+reported as ``flow check`` prints it; otherwise :meth:`LiveGraph.reload`
+switches new requests to it.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
-import re
+import os
 import resource
 import signal
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, has_request_context, request
-from quart_trio import QuartTrio
+from quart import Response
 from werkzeug.datastructures import Headers
-from werkzeug.exceptions import HTTPException
 
 from flow import hypercorn_fixes
-from flow.compiler import CompiledGraph
+from flow.compiler import CompiledGraph, CompileError
 from flow.guard import Guard
+from flow.live import Generation, LiveGraph, ReloadRefused, ReloadReport
+from flow.observe import Observer
 from flow.resources import ModelResource
-from flow.metrics import Metric, Registry
 from flow.runner import RouteRunner
-from flow.stage import EdgeStats, ExitStage, Outbox, Stage
+from flow.stage import ExitStage, Outbox
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
-from protocols.sse import dumps
 from runtime.device import DeviceThread, shared_device
 
 log = logging.getLogger("flow.server")
+
+GraphLoader = Callable[[], CompiledGraph]
 
 
 def first_error(exc: BaseException) -> BaseException:
@@ -66,56 +71,34 @@ def first_error(exc: BaseException) -> BaseException:
     return exc
 
 
-# The run scopes a request's view started; cancelled when the request's ASGI call ends (see _EndRunsWithRequest).
-_request_runs: contextvars.ContextVar[list[trio.CancelScope] | None] = contextvars.ContextVar(
-    "flow_request_runs", default=None)
-
-
-class _EndRunsWithRequest:
-    """ASGI middleware: the runs a request started are cancelled when its ASGI call ends, however it ends.
-
-    A streaming response's run is normally cancelled by its body iterator's ``finally``. But a client that
-    leaves after the view has returned and before Quart has begun the body (the disconnect cancels Quart's
-    send of the response head) leaves that iterator never started, hence never closed: without this, the
-    run, its engine sequence (prefill, then up to ``max_tokens``) and its task would go on, nobody reading.
-    """
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        runs: list[trio.CancelScope] = []
-        token = _request_runs.set(runs)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            _request_runs.reset(token)
-            for run in runs:
-                run.cancel()
-
-
 def shutting_down() -> ApiError:
     """What requests refused or ended by a graceful stop get: retryable, a restarted server may answer."""
     return ApiError("overloaded", "The server is shutting down; retry shortly.", retry_after=5)
 
 
-class FlowServer:
-    """A compiled graph made live: resources, stage instances and routes."""
+@dataclass
+class ReloadOutcome:
+    """A reload's result: the report, or the errors (as ``flow check`` prints them) and nothing changed."""
 
-    def __init__(self, graph: CompiledGraph, device: DeviceThread | None = None) -> None:
-        self.graph = graph
+    report: ReloadReport | None = None
+    errors: str = ""
+
+    def json(self) -> dict[str, Any]:
+        if self.report is not None:
+            return {"reloaded": True, **self.report.json()}
+        return {"reloaded": False, "errors": self.errors}
+
+
+class FlowServer:
+    """A live graph served over HTTP: request runs, counters, graceful stop, reload."""
+
+    def __init__(self, graph: CompiledGraph, device: DeviceThread | None = None,
+                 loader: GraphLoader | None = None) -> None:
         self.device = device or shared_device()
-        self.resources: dict[str, Any] = {
-            rid: res.cls(rid, res.config) for rid, res in graph.resources.items()
-        }
-        self.stages: dict[str, Stage[Any, Any]] = {
-            sid: st.cls(sid, st.config, {name: self.resources[name] for name in st.resources})
-            for sid, st in graph.stages.items()
-        }
-        self.runners = {(r.method, r.path): RouteRunner(graph, r, self.stages) for r in graph.routes}
+        self.live = LiveGraph(graph, self.device)
+        self.loader = loader  # compiles the graph again for a reload (None: reload is off)
+        self._first = graph
+        self.bind_host = graph.spec.server.host  # the host actually bound (set by serve)
         self.started_at = time.time()
         self.started = False  # every eagerly loaded resource is ready
         self.requests_total = 0
@@ -126,78 +109,111 @@ class FlowServer:
         self.draining = trio.Event()
         self.stop_error: ApiError | None = None
         self._runs: set[trio.CancelScope] = set()
-        self.metrics = Registry()
-        self._requests = self.metrics.counter("flow_requests_total", "Requests by route and response status.")
-        self._duration = self.metrics.histogram("flow_request_duration_seconds", "Whole request time by route.")
-        self._first_byte = self.metrics.histogram(
-            "flow_time_to_first_byte_seconds", "Time until the response head (streams: the first event) by route.")
-        self.metrics.collector(self._collect)
+        self.on_reload: Callable[[], None] | None = None  # the HTTP app refreshes its limits
+        self.observer = Observer(self)
+        self.metrics = self.observer.metrics
+
+    # ------------------------------------------------------------------ the live graph
+    @property
+    def graph(self) -> CompiledGraph:
+        return self.live.gen.graph if self.live.current is not None else self._first
+
+    @property
+    def resources(self) -> dict[str, Any]:
+        return self.live.gen.resources if self.live.current is not None else {}
 
     @property
     def models(self) -> list[ModelResource]:
         return [r for r in self.resources.values() if isinstance(r, ModelResource)]
 
-    async def start(self) -> None:
-        """Bind resources that manage others (a model pool), then start every resource concurrently."""
+    @property
+    def guard(self) -> Guard:
+        spec = self.graph.spec.server
+        return Guard(self.bind_host, spec.allowed_hosts, spec.api_key)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start the device thread and the first graph's resources (concurrently); their background duties
+        run in ``nursery``."""
         self.device.start()
-        for resource in self.resources.values():
-            if hasattr(resource, "bind"):
-                resource.bind(self.resources)
-        async with trio.open_nursery() as nursery:
-            for resource in self.resources.values():
-                nursery.start_soon(resource.start, self.device)
+        await self.live.start(nursery)
         self.started = True
 
-    async def run_duties(self) -> None:
-        """Resources' background duties while serving (a pool's idle unloading), until cancelled."""
-        async with trio.open_nursery() as nursery:
-            for resource in self.resources.values():
-                if hasattr(resource, "run"):
-                    nursery.start_soon(resource.run)
-
     def close(self) -> None:
-        for resource in self.resources.values():
-            resource.close()
+        self.live.close()
+
+    async def reload(self) -> ReloadOutcome:
+        """Compile the graph again and switch to it; on any error nothing changes."""
+        if self.loader is None:
+            return ReloadOutcome(errors="this server was not started from a graph file; nothing to reload")
+        try:
+            graph = await trio.to_thread.run_sync(self.loader)
+        except CompileError as exc:
+            outcome = ReloadOutcome(errors=str(exc))
+        except Exception as exc:  # an unreadable file: reported, never fatal
+            outcome = ReloadOutcome(errors=f"{type(exc).__name__}: {exc}")
+        else:
+            outcome = await self._switch(graph)
+        if outcome.errors:
+            self.live.reload_failures += 1
+            log.error("reload refused; the running graph is unchanged:\n%s", outcome.errors)
+        return outcome
+
+    async def _switch(self, graph: CompiledGraph) -> ReloadOutcome:
+        old, new = self.graph.spec.server, graph.spec.server
+        moved = [key for key in ("host", "port") if getattr(old, key) != getattr(new, key)]
+        if moved:
+            return ReloadOutcome(errors=f"server.{moved[0]} changed ({getattr(old, moved[0])!r} → "
+                                 f"{getattr(new, moved[0])!r}): a restart applies it, a reload cannot")
+        try:
+            report = await self.live.reload(graph)
+        except ReloadRefused as exc:
+            return ReloadOutcome(errors=f"the new graph's resources failed to start: {exc}")
+        if self.on_reload is not None:
+            self.on_reload()
+        return ReloadOutcome(report=report)
 
     # ------------------------------------------------------------------ one request
-    async def run_request(self, runner: RouteRunner, http: HttpRequest,
+    async def run_request(self, gen: Generation, runner: RouteRunner, http: HttpRequest,
                           send: trio.MemorySendChannel[WireFrame], scope: trio.CancelScope) -> None:
-        exit_cls: type[ExitStage[Any, Any]] = self.graph.stages[runner.route.exit].cls  # type: ignore[assignment]
+        exit_stage = gen.exit_stage(runner.route.exit)
         self.requests_total += 1
         self.requests_active += 1
         started = time.perf_counter()
         outbox: Outbox[WireFrame] = Outbox([send.clone()])
         self._runs.add(scope)
         try:
-            async with send:
-                with scope:
-                    try:
-                        await runner.run(http, outbox)
-                    except BaseException as raw:
-                        exc = first_error(raw)
-                        if isinstance(exc, trio.Cancelled) or not isinstance(exc, Exception):
-                            raise
-                        error = exc if isinstance(exc, ApiError) else None
-                        if error is None:
-                            # A server fault: the details go to the log under the request id, not to the client.
-                            log.error("request %s (%s %s) failed", http.request_id, http.method, http.path,
-                                      exc_info=exc)
-                            error = ApiError("internal", f"Internal server error (request id {http.request_id}); "
-                                             "the server log has the details.")
-                        if error.status >= 500:
-                            self.requests_failed += 1
-                        await self._send_all(send, self._error_frames(exit_cls, error, outbox.sent > 0, http.request_id))
-                if scope.cancelled_caught and self.stop_error is not None:
-                    # Cancelled by the end of a graceful stop: the client learns why, in its protocol.
-                    with trio.move_on_after(2):
-                        await self._send_all(send, self._error_frames(exit_cls, self.stop_error, outbox.sent > 0,
-                                                                      http.request_id))
+            with self.live.entered(gen):
+                async with send:
+                    with scope:
+                        try:
+                            await runner.run(http, outbox)
+                        except BaseException as raw:
+                            exc = first_error(raw)
+                            if isinstance(exc, trio.Cancelled) or not isinstance(exc, Exception):
+                                raise
+                            error = exc if isinstance(exc, ApiError) else None
+                            if error is None:
+                                # A server fault: the details go to the log under the request id, not the client.
+                                log.error("request %s (%s %s) failed", http.request_id, http.method, http.path,
+                                          exc_info=exc)
+                                error = ApiError("internal", f"Internal server error (request id "
+                                                 f"{http.request_id}); the server log has the details.")
+                            if error.status >= 500:
+                                self.requests_failed += 1
+                            await self._send_all(send, self._error_frames(exit_stage, error, outbox.sent > 0,
+                                                                          http.request_id))
+                    if scope.cancelled_caught and self.stop_error is not None:
+                        # Cancelled by the end of a graceful stop: the client learns why, in its protocol.
+                        with trio.move_on_after(2):
+                            await self._send_all(send, self._error_frames(exit_stage, self.stop_error,
+                                                                          outbox.sent > 0, http.request_id))
         except Exception:  # a run task must never raise: it would close the app's nursery to every later request
             log.exception("request %s: failed while reporting its error", http.request_id)
         finally:
             self._runs.discard(scope)
             self.requests_active -= 1
-            self._duration.observe(time.perf_counter() - started, route=f"{runner.route.method} {runner.route.path}")
+            self.observer.duration.observe(time.perf_counter() - started,
+                                           route=f"{runner.route.method} {runner.route.path}")
 
     @staticmethod
     async def _send_all(send: trio.MemorySendChannel[WireFrame], frames: list[WireFrame]) -> None:
@@ -209,16 +225,75 @@ class FlowServer:
                 return
 
     @staticmethod
-    def _error_frames(exit_cls: type[ExitStage[Any, Any]], error: ApiError, streaming: bool,
+    def _error_frames(exit_stage: ExitStage[Any, Any], error: ApiError, streaming: bool,
                       request_id: str) -> list[WireFrame]:
         """The exit stage's frames for ``error``; should encoding them fail, a plain internal error (a run
         task must never raise: it would take the app's nursery, and every later request, with it)."""
         try:
-            return exit_cls.error_frames(error) if streaming else [exit_cls.error_response(error)]
+            return exit_stage.error_frames(error) if streaming else [exit_stage.error_response(error)]
         except Exception:
             log.exception("request %s: could not encode its error %r", request_id, error.message[:200])
             fallback = ApiError("internal", f"Internal server error (request id {request_id}).")
-            return exit_cls.error_frames(fallback) if streaming else [exit_cls.error_response(fallback)]
+            return exit_stage.error_frames(fallback) if streaming else [exit_stage.error_response(fallback)]
+
+    async def respond(self, gen: Generation, runner: RouteRunner, http: HttpRequest,
+                      nursery: trio.Nursery, runs: list[trio.CancelScope] | None) -> Response:
+        """Start the request's run; answer with its first frame (and, streaming, the rest as the body).
+        ``runs``: the ASGI call's list of run scopes, cancelled when the call ends."""
+        if self.draining.is_set():
+            return self.error_response(http.path, shutting_down(), close=True,
+                                       exit_stage=gen.exit_stage(runner.route.exit))
+        send, receive = trio.open_memory_channel[WireFrame](64)
+        scope = trio.CancelScope()
+        if runs is not None:
+            runs.append(scope)  # cancelled when the request ends, even if its body never began
+        route = f"{runner.route.method} {runner.route.path}"
+        started = time.perf_counter()
+        nursery.start_soon(self.run_request, gen, runner, http, send, scope)
+        try:
+            first = await receive.receive()
+        except BaseException:
+            scope.cancel()
+            raise
+        self.observer.first_byte.observe(time.perf_counter() - started, route=route)
+        self.observer.requests.inc(route=route, status=str(first.status))
+        if not first.streaming:
+            receive.close()
+            return Response(first.data, status=first.status, headers=Headers(list(first.headers)))
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield first.data
+                async for frame in receive:
+                    yield frame.data
+            finally:
+                scope.cancel()  # the client left, or the stream is over
+                receive.close()
+
+        response = Response(body(), status=first.status, headers=Headers(list(first.headers)))
+        response.timeout = None
+        return response
+
+    def error_response(self, path: str, error: ApiError, *, close: bool = False,
+                       exit_stage: ExitStage[Any, Any] | None = None) -> Response:
+        """An error the shell answers itself, in the protocol of ``path`` (or of ``exit_stage``); ``close`` when
+        the request body may still be on its way (the connection cannot be reused: its next bytes are that body)."""
+        frame = (exit_stage or self.live.gen.exit_for_path(path)).error_response(error)
+        headers = [*frame.headers, *([("connection", "close")] if close else [])]
+        return Response(frame.data, status=frame.status, headers=Headers(headers))
+
+    def body_limit(self) -> int:
+        """The largest request body accepted: the graph's ``server.max_body_bytes``, or derived from the
+        served models' context (what the largest one could accept as text, with room for JSON escapes and
+        tool definitions), between 1 and 64 MiB. Unloaded models count as the maximum."""
+        configured = self.graph.spec.server.max_body_bytes
+        if configured is not None:
+            return configured
+        ceiling = 64 << 20
+        if not self.models or any(m.loaded is None for m in self.models):
+            return ceiling
+        largest = max(m.loaded.context_length for m in self.models if m.loaded is not None)
+        return max(1 << 20, min(ceiling, 4 * largest * CHARS_PER_TOKEN + (1 << 20)))
 
     # ------------------------------------------------------------------ graceful stop
     def begin_drain(self, grace: float) -> None:
@@ -241,303 +316,6 @@ class FlowServer:
             while self._runs:
                 await trio.sleep(0.05)
         self.end_requests()
-
-    def body_limit(self) -> int:
-        """The largest request body accepted: the graph's ``server.max_body_bytes``, or derived from the
-        served models' context (what the largest one could accept as text, with room for JSON escapes and
-        tool definitions), between 1 and 64 MiB. Unloaded models count as the maximum."""
-        configured = self.graph.spec.server.max_body_bytes
-        if configured is not None:
-            return configured
-        ceiling = 64 << 20
-        if not self.models or any(m.loaded is None for m in self.models):
-            return ceiling
-        largest = max(m.loaded.context_length for m in self.models if m.loaded is not None)
-        return max(1 << 20, min(ceiling, 4 * largest * CHARS_PER_TOKEN + (1 << 20)))
-
-    async def respond(self, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery) -> Response:
-        if self.draining.is_set():
-            return self.error_response(http.path, shutting_down(), close=True,
-                                       exit_cls=self.exit_class(runner.route.exit))
-        send, receive = trio.open_memory_channel[WireFrame](64)
-        scope = trio.CancelScope()
-        runs = _request_runs.get()
-        if runs is not None:
-            runs.append(scope)  # cancelled when the request ends, even if its body never began
-        route = f"{runner.route.method} {runner.route.path}"
-        started = time.perf_counter()
-        nursery.start_soon(self.run_request, runner, http, send, scope)
-        try:
-            first = await receive.receive()
-        except BaseException:
-            scope.cancel()
-            raise
-        self._first_byte.observe(time.perf_counter() - started, route=route)
-        self._requests.inc(route=route, status=str(first.status))
-        if not first.streaming:
-            receive.close()
-            return Response(first.data, status=first.status, headers=Headers(list(first.headers)))
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                yield first.data
-                async for frame in receive:
-                    yield frame.data
-            finally:
-                scope.cancel()  # the client left, or the stream is over
-                receive.close()
-
-        response = Response(body(), status=first.status, headers=Headers(list(first.headers)))
-        response.timeout = None
-        return response
-
-    # ------------------------------------------------------------------ error shapes
-    def exit_class(self, stage_id: str) -> type[ExitStage[Any, Any]]:
-        return self.graph.stages[stage_id].cls  # type: ignore[return-value]
-
-    def exit_for_path(self, path: str) -> type[ExitStage[Any, Any]]:
-        """The exit stage whose protocol an error on ``path`` is written in: the route whose fixed part is
-        the longest prefix of the path (``/v1/messages/batches`` → Anthropic), else OpenAI chat's."""
-        best: tuple[int, str] | None = None
-        for route in self.graph.routes:
-            fixed = route.path.split("{", 1)[0].rstrip("/")
-            if path == fixed or path.startswith(fixed + "/"):
-                if best is None or len(fixed) > best[0]:
-                    best = (len(fixed), route.exit)
-        if best is not None:
-            return self.exit_class(best[1])
-        from stages.openai_chat import OpenAIChatFormat  # the shape most clients expect
-
-        return OpenAIChatFormat
-
-    def error_response(self, path: str, error: ApiError, *, close: bool = False,
-                       exit_cls: type[ExitStage[Any, Any]] | None = None) -> Response:
-        """An error the shell answers itself, in the protocol of ``path`` (or of ``exit_cls``); ``close`` when
-        the request body may still be on its way (the connection cannot be reused: its next bytes are that body)."""
-        frame = (exit_cls or self.exit_for_path(path)).error_response(error)
-        headers = [*frame.headers, *([("connection", "close")] if close else [])]
-        return Response(frame.data, status=frame.status, headers=Headers(headers))
-
-    # ------------------------------------------------------------------ info endpoints
-    def models_json(self) -> dict[str, Any]:
-        """The model list in a shape both SDKs accept: OpenAI's ``{object, data:[{id, object,
-        created, owned_by}]}`` and Anthropic's ``{data:[{type, id, display_name, created_at}],
-        has_more, first_id, last_id}`` (each ignores the other's fields)."""
-        created = int(self.started_at)
-        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
-        data = []
-        for model in self.models:
-            for model_id in model.ids:
-                entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "flow",
-                                         "type": "model", "display_name": model_id, "created_at": created_at,
-                                         "lifecycle": "active"}
-                if model_id != model.name:
-                    entry["alias_of"] = model.name
-                if model.loaded is not None:
-                    entry["max_input_tokens"] = model.loaded.context_length
-                    if model.loaded.smoke_test:
-                        entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
-                        entry["display_name"] = f"{model_id} (smoke-test model)"
-                data.append(entry)
-        return {"object": "list", "data": data, "has_more": False,
-                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
-
-    def health_json(self) -> dict[str, Any]:
-        return {
-            "status": "ok" if self.started else "loading",
-            "graph": self.graph.name,
-            "uptime_seconds": round(time.time() - self.started_at, 1),
-            "requests": {"total": self.requests_total, "active": self.requests_active,
-                         "failed": self.requests_failed},
-            "models": [self._model_health(m) for m in self.models],
-        }
-
-    def stats_json(self) -> dict[str, Any]:
-        """Everything observable: requests, models with their engines, and resources that keep stats."""
-        health = self.health_json()
-        return {
-            "graph": self.graph.name,
-            "uptime_seconds": health["uptime_seconds"],
-            "requests": health["requests"],
-            "models": {m["id"]: m for m in health["models"]},
-            "resources": {rid: res.stats() for rid, res in self.resources.items() if hasattr(res, "stats")},
-            "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams}
-                      for (src, dst), e in self.edge_stats().items()},
-        }
-
-    def edge_stats(self) -> dict[tuple[str, str], EdgeStats]:
-        """Per graph edge, summed over the routes that share it."""
-        total: dict[tuple[str, str], EdgeStats] = {}
-        for runner in self.runners.values():
-            for edge, stats in runner.edge_stats.items():
-                acc = total.setdefault(edge, EdgeStats())
-                acc.items += stats.items
-                acc.full += stats.full
-                acc.streams += stats.streams
-        return total
-
-    def _collect(self) -> list[Metric]:
-        """Metrics read at scrape time from the engines, stores and edges."""
-        active = Metric("flow_requests_active", "Requests in flight.", "gauge")
-        active.set(self.requests_active)
-        prompt = Metric("flow_prompt_tokens_total", "Prompt tokens prefilled, by model.", "counter")
-        generated = Metric("flow_generated_tokens_total", "Tokens generated, by model.", "counter")
-        running = Metric("flow_engine_sequences", "Sequences in the engine, by model and state.", "gauge")
-        steps = Metric("flow_engine_steps_total", "Engine steps, by model.", "counter")
-        finished = Metric("flow_engine_sequences_total", "Sequences that left the engine, by model and outcome.",
-                          "counter")
-        for model in self.models:
-            if model.loaded is None:
-                continue
-            engine = model.loaded.engine
-            stats = engine.stats
-            prompt.set(stats.prompt_tokens, model=model.name)
-            generated.set(stats.generated_tokens, model=model.name)
-            running.set(engine.active, model=model.name, state="active")
-            running.set(engine.waiting, model=model.name, state="waiting")
-            steps.set(stats.steps, model=model.name)
-            for outcome in ("finished", "cancelled", "failed"):
-                finished.set(getattr(stats, outcome), model=model.name, outcome=outcome)
-        store_entries = Metric("flow_store_entries", "Entries in stores, by resource.", "gauge")
-        store_bytes = Metric("flow_store_bytes", "Bytes held by stores, by resource.", "gauge")
-        for rid, res in self.resources.items():
-            if hasattr(res, "stats"):
-                numbers = res.stats()
-                if "entries" in numbers:
-                    store_entries.set(numbers["entries"], resource=rid)
-                    store_bytes.set(numbers.get("bytes", 0), resource=rid)
-        items = Metric("flow_edge_items_total", "Items sent along each graph edge.", "counter")
-        full = Metric("flow_edge_full_total", "Sends that found the consumer's inbox full (backpressure).", "counter")
-        for (src, dst), e in self.edge_stats().items():
-            items.set(e.items, edge=f"{src}->{dst}")
-            full.set(e.full, edge=f"{src}->{dst}")
-        resource_metrics = [m for res in self.resources.values() if hasattr(res, "metrics") for m in res.metrics()]
-        return [active, prompt, generated, running, steps, finished, store_entries, store_bytes, items, full,
-                *resource_metrics]
-
-    @staticmethod
-    def _model_health(model: ModelResource) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
-                               "state": model.state, "family": model.family.name}
-        if model.loaded is not None:  # no paths: /health needs no key
-            out.update(smoke_test=model.loaded.smoke_test,
-                       context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,
-                       engine=model.loaded.engine.stats_json())
-        return out
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(dumps(obj), status=status, content_type="application/json")
-
-
-def create_app(server: FlowServer, guard: Guard) -> QuartTrio:
-    spec = server.graph.spec.server
-    app = QuartTrio("flow")
-    app.asgi_app = _EndRunsWithRequest(app.asgi_app)  # type: ignore[method-assign]
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=spec.body_timeout_seconds,
-                      MAX_CONTENT_LENGTH=server.body_limit())
-
-    @app.before_request
-    async def _guard() -> Response | None:
-        """Host, origin, key and content type: checked before routing, so an unknown route or method tells
-        an unauthenticated client nothing, and before the body is read (the connection is then closed)."""
-        headers = {name.lower(): value for name, value in request.headers.items()}
-        if "transfer-encoding" in headers and "content-length" in headers:
-            # RFC 9112 §6.1: a request with both may be smuggling one inside the other; never reuse it.
-            return server.error_response(request.path, ApiError(
-                "invalid_request", "The request has both Content-Length and Transfer-Encoding."), close=True)
-        try:
-            guard.check(request.method, request.path, headers)
-        except ApiError as error:
-            return server.error_response(request.path, error, close=True)
-        return None
-
-    def route_view(runner: RouteRunner) -> Callable[[], Awaitable[Response]]:
-        async def view(**params: str) -> Response:
-            body = await request.get_data(cache=False, as_text=False)
-            assert isinstance(body, bytes)
-            http = HttpRequest(
-                method=request.method, path=request.path, query=request.query_string.decode("latin-1"),
-                headers=tuple(request.headers.items()), body=body,
-                request_id=uuid.uuid4().hex[:24], params=tuple(params.items()),
-            )
-            return await server.respond(runner, http, app.nursery)
-
-        view.__name__ = f"route_{runner.route.entry}_{runner.route.method}"
-        return view
-
-    for (method, path), runner in server.runners.items():
-        app.add_url_rule(quart_rule(path), endpoint=f"{runner.route.entry}:{method}:{path}", view_func=route_view(runner),
-                         methods=[method])
-
-    @app.route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        return _json({"name": "flow", "graph": server.graph.name, "status": "ok"})
-
-    @app.route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        body = server.health_json()
-        return _json(body, 200 if body["status"] == "ok" else 503)
-
-    @app.route("/metrics", methods=["GET"])
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.route("/stats", methods=["GET"])
-    async def stats() -> Response:
-        return _json(server.stats_json())
-
-    @app.route("/v1/models", methods=["GET"])
-    async def models() -> Response:
-        return _json(server.models_json())
-
-    @app.route("/v1/models/<path:model_id>", methods=["GET"])
-    async def model(model_id: str) -> Response:
-        for entry in server.models_json()["data"]:
-            if entry["id"] == model_id:
-                return _json(entry)
-        return server.error_response(request.path, ApiError(
-            "not_found", f"The model {model_id!r} does not exist on this server.", param="model",
-            code="model_not_found"))
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        code = exc.code or 500
-        if not has_request_context():  # a WebSocket: it has no HTTP request to answer
-            return Response(b"", status=code)
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 408: "invalid_request"}
-        kind = kinds.get(code, "invalid_request" if code < 500 else "internal")
-        message = {
-            404: f"No route {request.method} {request.path}. Routes: "
-                 + ", ".join(f"{m} {p}" for m, p in sorted(server.runners)) + ", GET /v1/models, GET /health.",
-            405: f"{request.method} is not allowed on {request.path}.",
-            413: f"The request body is larger than {server.body_limit()} bytes, more than the served models' "
-                 "context can take.",
-            408: f"The request body did not arrive within {spec.body_timeout_seconds:g} seconds.",
-        }.get(code, exc.description or "error")
-        # Routing and size errors come before the body is read: the connection cannot carry another request.
-        return server.error_response(request.path, ApiError(kind, message), close=True)  # type: ignore[arg-type]
-
-    @app.errorhandler(Exception)
-    async def unexpected(exc: Exception) -> Response:
-        request_id = uuid.uuid4().hex[:24]
-        log.error("unexpected error %s", request_id, exc_info=exc)
-        error = ApiError("internal", f"Internal server error (request id {request_id}); the server log has "
-                         "the details.")
-        if not has_request_context():
-            return Response(b"", status=500)
-        return server.error_response(request.path, error, close=True)
-
-    @app.after_serving
-    async def _close() -> None:
-        server.close()
-
-    return app
-
-
-def quart_rule(path: str) -> str:
-    """Graph routes write path parameters as ``{name}``; Quart wants ``<name>``."""
-    return re.sub(r"\{(\w+)\}", r"<\1>", path)
 
 
 def raise_open_file_limit() -> int:
@@ -568,9 +346,14 @@ def raise_open_file_limit() -> int:
 
 
 async def _signalled(server: FlowServer, grace: float) -> None:
-    """SIGTERM (systemd, ``docker stop``) and SIGINT drain alike; a second signal ends the requests now."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """SIGTERM (systemd, ``docker stop``) and SIGINT drain alike; a second one ends the requests now.
+    SIGHUP reloads the graph."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
+            if signum == signal.SIGHUP:
+                log.info("received SIGHUP: reloading the graph")
+                await server.reload()
+                continue
             if server.draining.is_set():
                 server.end_requests()
                 return
@@ -578,35 +361,42 @@ async def _signalled(server: FlowServer, grace: float) -> None:
             server.begin_drain(grace)
 
 
+async def watch(server: FlowServer, files: Callable[[], list[str]], interval: float = 1.0) -> None:
+    """``flow serve --watch``: reload when a graph file (or one it extends) changes. Polls modification
+    times: no dependency, and an editor's save-by-rename is seen like any write."""
+
+    def stamps() -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name in files():
+            try:
+                out[name] = os.stat(name).st_mtime_ns
+            except OSError:
+                out[name] = None
+        return out
+
+    seen = await trio.to_thread.run_sync(stamps)
+    while True:
+        await trio.sleep(interval)
+        now = await trio.to_thread.run_sync(stamps)
+        if now != seen:
+            seen = now
+            log.info("graph file changed: reloading")
+            await server.reload()
+
+
 async def serve(server: FlowServer, host: str, port: int, *,
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+                watch_files: Callable[[], list[str]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Load the graph's resources, then serve HTTP until a signal (or ``shutdown_trigger``) stops it:
     no new requests, the running ones get ``server.shutdown_grace_seconds`` to finish, then end with an
     error event in their protocol; resources close last (the disk tier flushes its writes)."""
+    from flow.http import create_app
+
     raise_open_file_limit()  # one descriptor per open connection
     hypercorn_fixes.apply()
-    await server.start()
+    server.bind_host = host
     spec = server.graph.spec.server
-    app = create_app(server, Guard(host, spec.allowed_hosts, spec.api_key))
-
-    @app.before_serving
-    async def _duties() -> None:
-        app.nursery.start_soon(server.run_duties)
-
-    config = HypercornConfig()
-    config.bind = [f"{host}:{port}"]
-    # hypercorn's default listen backlog is 100: a burst of connections beyond it has its SYNs
-    # dropped and waits a 1 s retransmit (or more). 2048 is uvicorn's and gunicorn's default;
-    # the kernel caps it at net.core.somaxconn (kern.ipc.somaxconn on macOS).
-    config.backlog = 2048
-    config.worker_class = "trio"
-    # A connection with no request in progress — idle, or still sending its request's headers (a
-    # slowloris) — is closed after this; bodies have their own deadline (body_timeout_seconds).
-    config.keep_alive_timeout = spec.idle_timeout_seconds
-    config.graceful_timeout = spec.shutdown_grace_seconds + 5  # room for the last requests' error events
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root logger's
     grace = spec.shutdown_grace_seconds
 
     async def triggered() -> None:
@@ -614,12 +404,34 @@ async def serve(server: FlowServer, host: str, port: int, *,
         await shutdown_trigger()
         server.begin_drain(grace)
 
-    async with trio.open_nursery() as nursery:
-        if shutdown_trigger is None:
-            nursery.start_soon(_signalled, server, grace)
-        else:
-            nursery.start_soon(triggered)
-        nursery.start_soon(server.drain, grace)
-        await hypercorn_serve(app, config, shutdown_trigger=server.draining.wait,
-                              task_status=task_status)
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as duties:  # resources' background duties, for the server's life
+            await server.start(duties)
+            app = create_app(server)
+            config = HypercornConfig()
+            config.bind = [f"{host}:{port}"]
+            # hypercorn's default listen backlog is 100: a burst of connections beyond it has its SYNs
+            # dropped and waits a 1 s retransmit (or more). 2048 is uvicorn's and gunicorn's default;
+            # the kernel caps it at net.core.somaxconn (kern.ipc.somaxconn on macOS).
+            config.backlog = 2048
+            config.worker_class = "trio"
+            # A connection with no request in progress — idle, or still sending its request's headers (a
+            # slowloris) — is closed after this; bodies have their own deadline (body_timeout_seconds).
+            config.keep_alive_timeout = spec.idle_timeout_seconds
+            config.graceful_timeout = grace + 5  # room for the last requests' error events
+            config.accesslog = None
+            config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root logger's
+            async with trio.open_nursery() as nursery:
+                if shutdown_trigger is None:
+                    nursery.start_soon(_signalled, server, grace)
+                else:
+                    nursery.start_soon(triggered)
+                if watch_files is not None:
+                    nursery.start_soon(watch, server, watch_files)
+                nursery.start_soon(server.drain, grace)
+                await hypercorn_serve(app, config, shutdown_trigger=server.draining.wait,
+                                      task_status=task_status)
+                nursery.cancel_scope.cancel()
+            duties.cancel_scope.cancel()
+    finally:
+        server.close()

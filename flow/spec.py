@@ -44,6 +44,9 @@ class ServerSpec(BaseModel):
     body_timeout_seconds: float = Field(default=60.0, gt=0, description="a request body must arrive within this")
     shutdown_grace_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM/SIGINT, time running requests get to finish")
+    default_exit: str | None = Field(
+        default=None, description="the exit stage whose protocol shapes errors for paths no route's prefix "
+                                  "matches (unknown routes, 413 before routing); default: the first route's exit")
 
 
 class GraphSpec(BaseModel):
@@ -100,3 +103,23 @@ def load_tables(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         if not found:
             raise SpecError(f"{path}: drop", f"nothing named {dropped!r} is inherited")
     return _merge(merged, data)
+
+
+def graph_files(path: Path) -> list[str]:
+    """The files a graph is read from: the file and, recursively, the ones it extends (for ``--watch``).
+    An unreadable file is listed and ends its branch (its error is the reload's to report)."""
+    out: list[str] = []
+    todo = [path.resolve()]
+    while todo:
+        current = todo.pop()
+        if str(current) in out:
+            continue
+        out.append(str(current))
+        try:
+            parents = tomllib.loads(current.read_text()).get("extends", [])
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        for parent in [parents] if isinstance(parents, str) else parents if isinstance(parents, list) else []:
+            if isinstance(parent, str):
+                todo.append((current.parent / parent).resolve())
+    return out

@@ -3,10 +3,10 @@
 A stage class declares, as class attributes, everything the compiler needs
 without instantiating it: its registry ``type_name``, the item type its input
 accepts, the item type its output produces, its ``Config`` model (pydantic,
-unknown keys forbidden), and which config fields name resources.
+unknown keys forbidden), and which config fields name resources (``references``).
 
 One instance is built per stage in a graph when the server starts (config
-validated, resources bound). ``run`` is then called once per request on that
+validated, referenced resources linked). ``run`` is then called once per request on that
 request's path, in its own task, and must keep per-request state in locals.
 """
 
@@ -21,6 +21,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import trio
 from pydantic import BaseModel, ConfigDict
+
+from flow.resource import Links, Reference
+from protocols.codec import Codec, error_response, error_stream_end
+from protocols.errors import ApiError
+from protocols.ir import ProtocolContext, WireFrame
 
 log = logging.getLogger("flow.stage")
 
@@ -108,32 +113,41 @@ class Stage(Generic[In, Out]):
     input_type: ClassVar[Any]
     output_type: ClassVar[Any]
     Config: ClassVar[type[StageConfig]] = StageConfig
-    # Config fields whose values name resources, with the resource type they must have.
-    resource_fields: ClassVar[Mapping[str, str]] = {}
+    # Config fields whose values name resources (checked and resolved by the compiler).
+    references: ClassVar[Mapping[str, Reference]] = {}
     description: ClassVar[str] = ""
 
-    def __init__(self, stage_id: str, config: StageConfig, resources: Mapping[str, Any]) -> None:
+    def __init__(self, stage_id: str, config: StageConfig, links: Links) -> None:
         self.id = stage_id
         self.config = config
-        self.resources = resources
+        self.links = links
 
     async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[Out]) -> None:
         raise NotImplementedError
 
 
 class EntryStage(Stage[In, Out]):
-    """A stage fed by the HTTP shell; its graph table carries ``routes`` and ``exit``."""
+    """A stage fed by the HTTP shell; its graph table carries ``routes`` and ``exit``.
+
+    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`)."""
+
+    context_type: ClassVar[type[ProtocolContext]] = ProtocolContext
 
 
 class ExitStage(Stage[In, Out]):
-    """A stage whose output goes to the client; it renders errors in its protocol's shape."""
+    """A stage whose output goes to the client; errors are rendered by its protocol's ``codec``.
+
+    ``reads_context``: the context it needs from its route's entry stage (the compiler checks each route)."""
+
+    codec: ClassVar[Codec]
+    reads_context: ClassVar[type[ProtocolContext]] = ProtocolContext
 
     @classmethod
-    def error_response(cls, error: Any) -> Any:
-        """The whole response for an error raised before anything was sent (a WireFrame)."""
-        raise NotImplementedError
+    def error_response(cls, error: ApiError) -> WireFrame:
+        """The whole response for an error raised before anything was sent."""
+        return error_response(cls.codec, error)
 
     @classmethod
-    def error_frames(cls, error: Any) -> list[Any]:
-        """Frames that end a stream that failed after it began (WireFrames)."""
-        raise NotImplementedError
+    def error_frames(cls, error: ApiError) -> list[WireFrame]:
+        """Frames that end a stream that failed after it began."""
+        return [error_stream_end(cls.codec, error)]

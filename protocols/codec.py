@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from protocols.errors import ApiError
-from protocols.ir import FinalResult, ResponseStarted, StreamEvent
+from protocols.ir import FinalResult, ResponseStarted, StreamEvent, WireFrame
 
 
 class StreamEncoder(Protocol):
@@ -33,22 +33,39 @@ class StreamEncoder(Protocol):
 
 
 class Codec(Protocol):
-    """A protocol's encoders and error shapes."""
+    """A protocol's encoders and error shapes (a class whose static methods implement these)."""
 
-    @staticmethod
-    def stream_encoder(started: ResponseStarted) -> StreamEncoder: ...
+    def stream_encoder(self, started: ResponseStarted, /) -> StreamEncoder: ...
 
-    @staticmethod
-    def encode_final(result: FinalResult) -> dict[str, Any]: ...
+    def encode_final(self, result: FinalResult, /) -> dict[str, Any]: ...
 
-    @staticmethod
-    def error_status(error: ApiError) -> int: ...
+    def error_status(self, error: ApiError, /) -> int: ...
 
-    @staticmethod
-    def error_body(error: ApiError) -> bytes: ...
+    def error_body(self, error: ApiError, /) -> bytes: ...
 
-    @staticmethod
-    def error_frames(error: ApiError) -> list[bytes]: ...
+    def error_frames(self, error: ApiError, /) -> list[bytes]: ...
+
+
+JSON_HEADERS = (("content-type", "application/json"),)
+
+
+def error_headers(error: ApiError) -> tuple[tuple[str, str], ...]:
+    headers = list(JSON_HEADERS)
+    if error.retry_after is not None:
+        headers.append(("retry-after", str(max(1, round(error.retry_after)))))
+    # Anthropic's and OpenAI's SDKs both honour this: no pointless retries of a bad request.
+    headers.append(("x-should-retry", "true" if error.retryable else "false"))
+    return tuple(headers)
+
+
+def error_response(codec: Codec, error: ApiError) -> WireFrame:
+    """A whole error response in the protocol's shape."""
+    return WireFrame(codec.error_body(error), status=codec.error_status(error), headers=error_headers(error))
+
+
+def error_stream_end(codec: Codec, error: ApiError) -> WireFrame:
+    """The frames that end a stream that failed after it began, as one frame."""
+    return WireFrame(b"".join(codec.error_frames(error)))
 
 
 SSE_COMMENT_KEEPALIVE = b": keepalive\n\n"  # SSE comment lines are skipped by every client parser

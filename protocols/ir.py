@@ -22,7 +22,7 @@ to hand between tasks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -121,6 +121,18 @@ class Message:
 
 
 @dataclass(frozen=True)
+class ProtocolContext:
+    """What a protocol's entry stage hands its exit stage beside the chat request: echoed request fields,
+    ids, where a stored conversation starts. This base carries nothing. Entry stage classes declare the
+    context they hand on (``context_type``), exit stage classes the one they read (``reads_context``);
+    the compiler rejects a route whose exit cannot read its entry's context."""
+
+
+NO_CONTEXT = ProtocolContext()
+C = TypeVar("C", bound=ProtocolContext)
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A protocol-neutral chat request."""
 
@@ -146,12 +158,14 @@ class ChatRequest:
     # and what to do when the messages do not fit (None: the ``chat.prepare`` stage's setting).
     max_context: int | None = None
     context_overflow: ContextOverflow | None = None
-    # Protocol-specific values that only the protocol's own exit stage reads back
-    # (e.g. Responses' ``store`` and ``previous_response_id``); other stages ignore them.
-    extensions: tuple[tuple[str, Any], ...] = ()
+    # What the protocol's entry stage hands its exit stage (echoed fields, ids); other stages ignore it.
+    context: ProtocolContext = field(default_factory=lambda: NO_CONTEXT)
 
-    def extension(self, key: str, default: Any = None) -> Any:
-        return dict(self.extensions).get(key, default)
+    def context_as(self, kind: type[C]) -> C:
+        """The context, as the type the route's exit stage declared (the compiler checked the route)."""
+        if not isinstance(self.context, kind):
+            raise TypeError(f"this request carries {type(self.context).__name__}, not {kind.__name__}")
+        return self.context
 
 
 @dataclass(frozen=True)

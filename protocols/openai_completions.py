@@ -10,6 +10,7 @@ use the legacy shape (``tokens``, ``token_logprobs``, ``top_logprobs`` as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import Field
@@ -18,6 +19,7 @@ from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
     FinalResult,
+    ProtocolContext,
     ResponseFinished,
     ResponseStarted,
     StreamEvent,
@@ -29,7 +31,13 @@ from protocols.openai_chat import OpenAISamplingFields, error_body, error_frames
 from protocols.sse import DONE, data_frame
 from protocols.validation import parse_json_body
 
-ECHO = "completions.echo"
+
+
+@dataclass(frozen=True)
+class CompletionsContext(ProtocolContext):
+    """What ``openai.completions.format`` reads back: whether to echo the prompt."""
+
+    echo: bool = False
 DEFAULT_MAX_TOKENS = 16  # the API's own default for this endpoint
 
 
@@ -80,7 +88,7 @@ def decode_completion_request(body: bytes, request_id: str, created: int) -> Cha
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
-        extensions=((ECHO, parsed.echo),),
+        context=CompletionsContext(echo=parsed.echo),
     )
 
 
@@ -114,7 +122,7 @@ class _Logprobs:
 
 
 def _echo(request: ChatRequest, prompt_text: str) -> str:
-    return prompt_text if request.extension(ECHO, False) else ""
+    return prompt_text if request.context_as(CompletionsContext).echo else ""
 
 
 def _body(request: ChatRequest, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

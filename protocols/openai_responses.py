@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,6 +35,7 @@ from protocols.ir import (
     ChatRequest,
     FinalResult,
     Message,
+    ProtocolContext,
     ReasoningDelta,
     ResponseFinished,
     ResponseStarted,
@@ -49,8 +51,20 @@ from protocols.sse import event_frame
 from protocols.validation import json_object_argument, parse_json_body
 
 MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
-ECHO = "responses.echo"  # request fields echoed back in the response object
-HISTORY_START = "responses.history_start"  # index of the first message that belongs to the conversation
+
+
+@dataclass(frozen=True)
+class ResponsesContext(ProtocolContext):
+    """What ``openai.responses.format`` reads back: the request fields a response object echoes (``store``
+    among them), and the index of the first message that belongs to the stored conversation (after the
+    instructions)."""
+
+    echo: dict[str, Any] = field(default_factory=dict)
+    history_start: int = 0
+
+    @property
+    def stored(self) -> bool:
+        return bool(self.echo.get("store", True))
 
 # --------------------------------------------------------------------------- request
 
@@ -254,7 +268,7 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
-        extensions=((ECHO, echo), (HISTORY_START, start)),
+        context=ResponsesContext(echo=echo, history_start=start),
     )
 
 
@@ -262,7 +276,7 @@ def conversation_after(result: FinalResult) -> tuple[Message, ...]:
     """The conversation a later ``previous_response_id`` continues: this request's messages
     (without its instructions) and the assistant turn it produced."""
     request = result.request
-    history = request.messages[request.extension(HISTORY_START, 0):]
+    history = request.messages[request.context_as(ResponsesContext).history_start:]
     extra: list[tuple[str, Any]] = []
     if result.reasoning:
         extra.append(("reasoning_content", result.reasoning))
@@ -293,7 +307,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 def response_json(request: ChatRequest, output: list[dict[str, Any]], *, status: str,
                   usage: Usage | None = None, completed_at: int | None = None) -> dict[str, Any]:
-    echo = request.extension(ECHO, {})
+    echo = request.context_as(ResponsesContext).echo
     return {
         "id": response_id(request),
         "object": "response",

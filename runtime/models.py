@@ -20,11 +20,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime.device import DeviceThread
-from runtime.engine import Engine, EngineConfig
-from runtime.prefix_cache import PrefixCache, namespace_of
+from runtime.engine_config import EngineConfig
+
+if TYPE_CHECKING:  # MLX is imported when a model loads, not when a graph is compiled or checked
+    from runtime.engine import Engine
+    from runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger("flow.models")
 
@@ -143,6 +146,9 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
     seconds = time.perf_counter() - start
     config = json.loads((path / "config.json").read_text())
     log.info("loaded model %s in %.1f s", name, seconds)
+    from runtime.engine import Engine
+    from runtime.prefix_cache import namespace_of
+
     engine = Engine(model, device, engine_config, prefix, namespace_of(model_identity(path)))
     return LoadedModel(name, path, model, tokenizer, engine, config, seconds, weight_bytes)
 

@@ -22,24 +22,30 @@ complete, appends the turn to the history.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from flow.agent_store import AGENT_ID, AGENT_ID_RULE, Agent, AgentStore, session_id
-from flow.registry import register_stage
+from flow.resource import Reference
 from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, on_request_end
 from protocols import openai_chat
 from protocols.errors import ApiError
-from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, WireFrame
+from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, ProtocolContext, WireFrame
 from protocols.validation import parse_json_body
 from stages.protocol import FormatConfig, ProtocolDecode, ProtocolFormat, json_frame
 
-# ChatRequest extensions only agents.generate.format reads back.
-AGENT = "agents.id"
-NEW_MESSAGES = "agents.new_messages"
+
+
+@dataclass(frozen=True)
+class AgentTurnContext(ProtocolContext):
+    """What ``agents.generate.format`` reads back: whose turn it is, and the turn's new messages (the
+    request's messages also hold the system prompt and the history)."""
+
+    agent_id: str
+    new_messages: tuple[dict[str, Any], ...]
 
 
 class AgentStageConfig(StageConfig):
@@ -50,8 +56,7 @@ class AgentFormatConfig(FormatConfig):
     store: str | None = None
 
 
-def _store(resources: Any) -> AgentStore:
-    return next(r for r in resources.values() if isinstance(r, AgentStore))
+STORE_REFERENCES = {"store": Reference("agent_store")}
 
 
 def _not_found(agent_id: str) -> ApiError:
@@ -116,7 +121,6 @@ def agent_json(agent: Agent, status: str, overflow: ContextOverflow, busy: bool)
 # --------------------------------------------------------------------------- CRUD
 
 
-@register_stage
 class AgentsManage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
     type_name: ClassVar[str] = "agents.manage"
     input_type: ClassVar[Any] = HttpRequest
@@ -124,19 +128,13 @@ class AgentsManage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, Wi
     description = ("agents API: POST/GET /v1/agents, GET/PATCH/DELETE /v1/agents/{agent_id} "
                    "(route parameter: agent_id)")
     Config = AgentStageConfig
-    resource_fields = {"store": "agent_store"}
+    references = STORE_REFERENCES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store = _store(self.resources)
+        self.store = self.links.one("store", AgentStore)
 
-    @classmethod
-    def error_response(cls, error: ApiError) -> WireFrame:
-        return AgentsGenerateFormat.error_response(error)
-
-    @classmethod
-    def error_frames(cls, error: ApiError) -> list[WireFrame]:
-        return [cls.error_response(error)]
+    codec = openai_chat.ChatCodec
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
         async for http in inbox:
@@ -188,17 +186,17 @@ class AgentsManage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, Wi
 # --------------------------------------------------------------------------- generate
 
 
-@register_stage
 class AgentsGenerateDecode(ProtocolDecode):
     type_name: ClassVar[str] = "agents.generate.decode"
     description = ("an agent's turn: its system prompt and history, then the body's new messages (OpenAI chat "
                    "body), as a chat request in the agent's prefix-cache session")
+    context_type = AgentTurnContext
     Config = AgentStageConfig
-    resource_fields = {"store": "agent_store"}
+    references = STORE_REFERENCES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store = _store(self.resources)
+        self.store = self.links.one("store", AgentStore)
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
         async for http in inbox:  # reading a long history is file IO: off the event loop
@@ -224,27 +222,27 @@ class AgentsGenerateDecode(ProtocolDecode):
             cache=replace(request.cache, session_id=session_id(agent.id)),
             max_context=agent.max_context,
             context_overflow=self.store.overflow(agent),
-            extensions=(*request.extensions, (AGENT, agent.id),
-                        (NEW_MESSAGES, tuple(m.to_template() for m in request.messages))),
+            context=AgentTurnContext(agent.id, tuple(m.to_template() for m in request.messages)),
         )
 
 
-@register_stage
 class AgentsGenerateFormat(ProtocolFormat):
     type_name: ClassVar[str] = "agents.generate.format"
     description = "answers an agent's turn as chat.completion JSON or chunk SSE; appends the turn to its history"
-    codec = openai_chat.ChatCodec  # type: ignore[assignment]  # (as in openai.chat.format)
+    codec = openai_chat.ChatCodec
+    reads_context = AgentTurnContext
     Config = AgentFormatConfig
-    resource_fields = {"store": "agent_store"}
+    references = STORE_REFERENCES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store = _store(self.resources)
+        self.store = self.links.one("store", AgentStore)
 
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         request = result.request
-        turn = [*request.extension(NEW_MESSAGES, ()), openai_chat.assistant_message(result).to_template()]
-        agent_id = request.extension(AGENT)
+        context = request.context_as(AgentTurnContext)
+        turn = [*context.new_messages, openai_chat.assistant_message(result).to_template()]
+        agent_id = context.agent_id
         await trio.to_thread.run_sync(lambda: self.store.append_turn(
             agent_id, turn, context_tokens=result.usage.total_tokens, model=request.model))
         # Free for the next turn now that the history has this one: a client may follow up as soon as it has

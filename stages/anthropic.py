@@ -11,15 +11,12 @@ from typing import Any, ClassVar
 
 import trio
 
-from flow.registry import register_stage
 from flow.stage import ExitStage, Outbox
 from protocols import anthropic_messages
-from protocols.errors import ApiError
 from protocols.ir import ChatRequest, HttpRequest, PreparedPrompt, WireFrame
 from stages.protocol import ProtocolDecode, ProtocolFormat, json_frame
 
 
-@register_stage
 class AnthropicMessagesDecode(ProtocolDecode):
     type_name: ClassVar[str] = "anthropic.messages.decode"
     description = "validates an Anthropic Messages body (blocks, tools, thinking) into a chat request"
@@ -28,14 +25,12 @@ class AnthropicMessagesDecode(ProtocolDecode):
         return anthropic_messages.decode_messages_request(http.body, http.request_id, created)
 
 
-@register_stage
 class AnthropicMessagesFormat(ProtocolFormat):
     type_name: ClassVar[str] = "anthropic.messages.format"
     description = "encodes events as an Anthropic message or its SSE event grammar"
     codec = anthropic_messages.MessagesCodec
 
 
-@register_stage
 class AnthropicCountTokensDecode(ProtocolDecode):
     type_name: ClassVar[str] = "anthropic.count_tokens.decode"
     description = "validates a count_tokens body (a Messages body without max_tokens)"
@@ -44,20 +39,13 @@ class AnthropicCountTokensDecode(ProtocolDecode):
         return anthropic_messages.decode_messages_request(http.body, http.request_id, created, count_only=True)
 
 
-@register_stage
 class AnthropicCountTokensFormat(ExitStage[PreparedPrompt, WireFrame]):
     type_name: ClassVar[str] = "anthropic.count_tokens.format"
     input_type: ClassVar[Any] = PreparedPrompt
     output_type: ClassVar[Any] = WireFrame
     description = "answers {input_tokens} for a prepared prompt"
 
-    @classmethod
-    def error_response(cls, error: ApiError) -> WireFrame:
-        return AnthropicMessagesFormat.error_response(error)
-
-    @classmethod
-    def error_frames(cls, error: ApiError) -> list[WireFrame]:
-        return [cls.error_response(error)]
+    codec = anthropic_messages.MessagesCodec
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[WireFrame]) -> None:
         async for prompt in inbox:

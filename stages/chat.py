@@ -12,8 +12,7 @@ from jinja2 import TemplateError
 from pydantic import Field
 
 from flow.families import Family
-from flow.registry import register_stage
-from flow.resources import ModelSet
+from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import Outbox, Stage, StageConfig
 from protocols.errors import ApiError
 from protocols.ir import (
@@ -93,18 +92,17 @@ class PrepareConfig(ModelStageConfig):
                     "message); a request may say otherwise (the agents API does)")
 
 
-@register_stage
 class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
     type_name: ClassVar[str] = "chat.prepare"
     input_type: ClassVar[Any] = ChatRequest
     output_type: ClassVar[Any] = PreparedPrompt
     Config = PrepareConfig
-    resource_fields = {"models": "model"}
+    references = MODEL_REFERENCES
     description = "applies the model's chat template, tokenizes, sets stop tokens and the token budget"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.models = ModelSet.from_resources(self.resources)
+        self.models = ModelSet(self.links.many("models", ModelResource))
         self._stop_ids: dict[str, frozenset[int]] = {}
 
     def stop_ids(self, model: str, tokenizer: Any) -> frozenset[int]:
@@ -253,18 +251,17 @@ def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:
     )
 
 
-@register_stage
 class ChatProcess(Stage[Generation, StreamEvent]):
     type_name: ClassVar[str] = "chat.process"
     input_type: ClassVar[Any] = Generation
     output_type: ClassVar[Any] = StreamEvent
     Config = ModelStageConfig
-    resource_fields = {"models": "model"}
+    references = MODEL_REFERENCES
     description = "detokenizes (multi-byte safe), matches stop strings with hold-back, reports finish and usage"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.models = ModelSet.from_resources(self.resources)
+        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[Generation], outbox: Outbox[StreamEvent]) -> None:
         header = await inbox.receive()

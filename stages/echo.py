@@ -14,8 +14,7 @@ from typing import Any, ClassVar
 import trio
 from pydantic import Field
 
-from flow.registry import register_stage
-from flow.resources import ModelSet
+from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import Outbox, Stage
 from protocols.ir import FinishReason, Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from stages.chat import ModelStageConfig
@@ -25,18 +24,17 @@ class EchoConfig(ModelStageConfig):
     tokens_per_chunk: int = Field(default=3, ge=1, description="tokens per chunk, like one engine step's worth")
 
 
-@register_stage
 class EchoGenerate(Stage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate.echo"
     input_type: ClassVar[Any] = PreparedPrompt
     output_type: ClassVar[Any] = Generation
     Config = EchoConfig
-    resource_fields = {"models": "model"}
+    references = MODEL_REFERENCES
     description = "test stand-in for generate: streams the last user message's tokens as the model's output"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.models = ModelSet.from_resources(self.resources)
+        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         step: int = self.config.tokens_per_chunk  # type: ignore[attr-defined]

@@ -6,12 +6,11 @@ from typing import Any, ClassVar
 
 import trio
 
-from flow.registry import register_stage
-from flow.resources import ModelSet
+from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import Outbox, Stage
 from protocols.errors import ApiError
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
-from runtime.engine import EngineOverloaded
+from runtime.engine_config import EngineOverloaded
 from stages.chat import ModelStageConfig
 
 
@@ -40,18 +39,17 @@ def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChun
     return TokenChunk(tuple(tokens), finish, tuple(logprobs)) if merged else chunk
 
 
-@register_stage
 class Generate(Stage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate"
     input_type: ClassVar[Any] = PreparedPrompt
     output_type: ClassVar[Any] = Generation
     Config = ModelStageConfig
-    resource_fields = {"models": "model"}
+    references = MODEL_REFERENCES
     description = "runs the prompt on the device thread's engine; one chunk per engine step"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.models = ModelSet.from_resources(self.resources)
+        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         async for prompt in inbox:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from flow.registry import register_stage
 from protocols import openai_chat
 from protocols.ir import ChatRequest, HttpRequest
 from stages.protocol import ProtocolDecode, ProtocolFormat
 
 
-@register_stage
 class OpenAIChatDecode(ProtocolDecode):
     type_name: ClassVar[str] = "openai.chat.decode"
     description = "validates an OpenAI chat.completions body into a protocol-neutral chat request"
@@ -19,7 +17,6 @@ class OpenAIChatDecode(ProtocolDecode):
         return openai_chat.decode_chat_request(http.body, http.request_id, created)
 
 
-@register_stage
 class OpenAIChatFormat(ProtocolFormat):
     type_name: ClassVar[str] = "openai.chat.format"
     description = "encodes events as chat.completion JSON or chat.completion.chunk SSE"

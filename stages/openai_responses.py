@@ -19,11 +19,12 @@ from typing import Any, ClassVar
 
 import trio
 
-from flow.registry import register_stage
 from flow.response_store import ResponseStore
+from flow.resource import Reference
 from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
 from protocols import openai_responses
 from protocols.errors import ApiError
+from protocols.openai_responses import ResponsesContext
 from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message, WireFrame
 from stages.protocol import FormatConfig, ProtocolDecode, ProtocolFormat, json_frame
 
@@ -36,20 +37,19 @@ class StoreFormatConfig(FormatConfig):
     store: str | None = None
 
 
-def _store(resources: Any) -> ResponseStore:
-    return next(r for r in resources.values() if isinstance(r, ResponseStore))
+STORE_REFERENCES = {"store": Reference("response_store")}
 
 
-@register_stage
 class OpenAIResponsesDecode(ProtocolDecode):
     type_name: ClassVar[str] = "openai.responses.decode"
     description = "validates a Responses body (items, tools, previous_response_id) into a chat request"
+    context_type = ResponsesContext
     Config = StoreConfig
-    resource_fields = {"store": "response_store"}
+    references = STORE_REFERENCES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store = _store(self.resources)
+        self.store = self.links.one("store", ResponseStore)
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
         async for http in inbox:  # previous_response_id reads the store's file: off the event loop
@@ -67,21 +67,20 @@ class OpenAIResponsesDecode(ProtocolDecode):
 
 
 def _stored(request: ChatRequest) -> bool:
-    stored: bool = request.extension(openai_responses.ECHO, {}).get("store", True)
-    return stored
+    return request.context_as(ResponsesContext).stored
 
 
-@register_stage
 class OpenAIResponsesFormat(ProtocolFormat):
     type_name: ClassVar[str] = "openai.responses.format"
     description = "encodes events as a Responses object or its numbered event chain; stores the result"
     codec = openai_responses.ResponsesCodec
+    reads_context = ResponsesContext
     Config = StoreFormatConfig
-    resource_fields = {"store": "response_store"}
+    references = STORE_REFERENCES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store = _store(self.resources)
+        self.store = self.links.one("store", ResponseStore)
 
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         if _stored(result.request):  # committed to disk before the client has the whole response
@@ -89,26 +88,19 @@ class OpenAIResponsesFormat(ProtocolFormat):
             await trio.to_thread.run_sync(self.store.put, body["id"], body, conversation)
 
 
-@register_stage
 class OpenAIResponsesRetrieve(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
     type_name: ClassVar[str] = "openai.responses.retrieve"
     input_type: ClassVar[Any] = HttpRequest
     output_type: ClassVar[Any] = WireFrame
     description = "GET returns a stored response, DELETE forgets it (route parameter: response_id)"
     Config = StoreConfig
-    resource_fields = {"store": "response_store"}
+    references = STORE_REFERENCES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.store = _store(self.resources)
+        self.store = self.links.one("store", ResponseStore)
 
-    @classmethod
-    def error_response(cls, error: ApiError) -> WireFrame:
-        return OpenAIResponsesFormat.error_response(error)
-
-    @classmethod
-    def error_frames(cls, error: ApiError) -> list[WireFrame]:
-        return [cls.error_response(error)]
+    codec = openai_responses.ResponsesCodec
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
         async for http in inbox:

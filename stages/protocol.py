@@ -16,8 +16,7 @@ import trio
 from pydantic import Field
 
 from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
-from protocols.codec import Codec
-from protocols.errors import ApiError
+from protocols.codec import JSON_HEADERS
 from protocols.ir import (
     ChatRequest,
     FinalResult,
@@ -31,16 +30,6 @@ from protocols.ir import (
 from protocols.sse import dumps
 
 SSE_HEADERS = (("content-type", "text/event-stream"), ("cache-control", "no-cache"), ("x-accel-buffering", "no"))
-JSON_HEADERS = (("content-type", "application/json"),)
-
-
-def error_headers(error: ApiError) -> tuple[tuple[str, str], ...]:
-    headers = list(JSON_HEADERS)
-    if error.retry_after is not None:
-        headers.append(("retry-after", str(max(1, round(error.retry_after)))))
-    # Anthropic's and OpenAI's SDKs both honour this: no pointless retries of a bad request.
-    headers.append(("x-should-retry", "true" if error.retryable else "false"))
-    return tuple(headers)
 
 
 def json_frame(obj: Any) -> WireFrame:
@@ -72,17 +61,6 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
     input_type: ClassVar[Any] = StreamEvent
     output_type: ClassVar[Any] = WireFrame
     Config = FormatConfig
-    codec: ClassVar[type[Codec]]
-
-    @classmethod
-    def error_response(cls, error: ApiError) -> WireFrame:
-        return WireFrame(cls.codec.error_body(error), status=cls.codec.error_status(error),
-                         headers=error_headers(error))
-
-    @classmethod
-    def error_frames(cls, error: ApiError) -> list[WireFrame]:
-        return [WireFrame(b"".join(cls.codec.error_frames(error)))]
-
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         """Called once the whole response is known (the Responses store keeps it, the agents API
         appends it to the agent's history), before its last bytes are sent: a client that follows

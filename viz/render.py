@@ -49,6 +49,13 @@ def layout(graph: CompiledGraph) -> tuple[list[Node], list[Edge]]:
         for sid, stage in graph.stages.items():
             if rid in stage.resources:
                 edges.append(Edge(_key("resource", rid), _key("stage", sid), "", dotted=True))
+        # Resource → resource: the provider points at what it is handed to (a cache at the models it
+        # serves, a cache at the store that reads it), labelled with the referring config key.
+        for field_name, ids in res.refs.items():
+            serves = res.cls.references[field_name].serves
+            for target in ids:
+                src, dst = (rid, target) if serves else (target, rid)
+                edges.append(Edge(_key("resource", src), _key("resource", dst), f"{rid}.{field_name}", dotted=True))
     return nodes, edges
 
 

@@ -388,9 +388,10 @@ def test_one_turn_at_a_time_and_a_client_that_leaves_frees_the_agent(server: Run
 
 def test_a_turn_is_released_only_by_the_request_that_holds_it(tmp_path: Path) -> None:
     from flow.agent_store import AgentStore, AgentStoreConfig
+    from flow.resource import Links
     from protocols.errors import ApiError
 
-    store = AgentStore("agent_store", AgentStoreConfig(path=str(tmp_path / "agents.sqlite")))
+    store = AgentStore("agent_store", AgentStoreConfig(path=str(tmp_path / "agents.sqlite")), Links())
     store.begin_turn("a", "req-1")
     with pytest.raises(ApiError) as busy:
         store.begin_turn("a", "req-2")

@@ -32,6 +32,7 @@ import trio
 
 from flow.compiler import compile_tables
 from flow.response_store import ResponseStore, ResponseStoreConfig
+from flow.resource import Links
 from protocols.ir import Message
 from runtime.kv_disk import DiskTier, HostBlock
 from runtime.private_files import is_private, private_db, private_dir, private_file
@@ -196,7 +197,7 @@ def test_disk_tier_sets_aside_an_index_with_rows_it_did_not_write(tmp_path: Path
 
 
 def open_responses(path: Path, **config: Any) -> ResponseStore:
-    store = ResponseStore("responses", ResponseStoreConfig(path=str(path), **config))
+    store = ResponseStore("responses", ResponseStoreConfig(path=str(path), **config), Links())
     trio.run(store.start, None)
     return store
 

@@ -9,7 +9,7 @@ import pytest
 from protocols import anthropic_messages, openai_chat, openai_completions, openai_responses
 from protocols.codec import Codec
 from protocols.errors import ApiError
-from protocols.ir import ChatRequest, ResponseStarted
+from protocols.ir import NO_CONTEXT, ChatRequest, ResponseStarted
 
 OPENAI_CODECS: list[type[Codec]] = [openai_chat.ChatCodec, openai_responses.ResponsesCodec,
                                     openai_completions.CompletionsCodec]
@@ -47,5 +47,8 @@ def test_keepalives_are_ignored_by_clients() -> None:
     started = ResponseStarted(ChatRequest(model="m", messages=(), stream=True), prompt_tokens=3)
     assert anthropic_messages.MessagesCodec.stream_encoder(started).keepalive() == [
         b'event: ping\ndata: {"type":"ping"}\n\n']
+    contexts = {openai_completions.CompletionsCodec: openai_completions.CompletionsContext(),
+                openai_responses.ResponsesCodec: openai_responses.ResponsesContext()}
     for codec in OPENAI_CODECS:
-        assert codec.stream_encoder(started).keepalive() == [b": keepalive\n\n"]
+        request = ChatRequest(model="m", messages=(), stream=True, context=contexts.get(codec, NO_CONTEXT))
+        assert codec.stream_encoder(ResponseStarted(request, prompt_tokens=3)).keepalive() == [b": keepalive\n\n"]

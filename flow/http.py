@@ -1,0 +1,185 @@
+"""The HTTP app: quart-trio on hypercorn, one dispatcher over the live graph's routes.
+
+The graph's routes are not Quart rules: they change with a reload. One
+catch-all view matches each request against the current generation's routing
+table (werkzeug's, so ``{param}`` paths, 404 and 405 behave as usual) and
+hands it to :meth:`FlowServer.respond`. The shell owns only ``/``, ``/health``,
+``/stats``, ``/metrics`` and ``POST /admin/reload``; every error it writes
+itself (unknown route, wrong method, body too large or too slow, refused host
+or key) takes the protocol shape of the path's route, or the graph's
+``server.default_exit``.
+
+Checks before routing (host, origin, API key, content type) run for every path
+the same way, before the body is read.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import uuid
+from typing import Any
+
+import trio
+from quart import Response, has_request_context, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+
+from flow.server import FlowServer
+from protocols.errors import ApiError
+from protocols.ir import HttpRequest
+from protocols.sse import dumps
+
+log = logging.getLogger("flow.http")
+
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+# The run scopes a request's view started; cancelled when the request's ASGI call ends (see _EndRunsWithRequest).
+_request_runs: contextvars.ContextVar[list[trio.CancelScope] | None] = contextvars.ContextVar(
+    "flow_request_runs", default=None)
+
+
+class _EndRunsWithRequest:
+    """ASGI middleware: the runs a request started are cancelled when its ASGI call ends, however it ends.
+
+    A streaming response's run is normally cancelled by its body iterator's ``finally``. But a client that
+    leaves after the view has returned and before Quart has begun the body (the disconnect cancels Quart's
+    send of the response head) leaves that iterator never started, hence never closed: without this, the
+    run, its engine sequence (prefill, then up to ``max_tokens``) and its task would go on, nobody reading.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        runs: list[trio.CancelScope] = []
+        token = _request_runs.set(runs)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _request_runs.reset(token)
+            for run in runs:
+                run.cancel()
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status=status, content_type="application/json")
+
+
+def create_app(server: FlowServer) -> QuartTrio:
+    app = QuartTrio("flow")
+    app.asgi_app = _EndRunsWithRequest(app.asgi_app)  # type: ignore[method-assign]
+    spec = server.graph.spec.server
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=spec.body_timeout_seconds,
+                      MAX_CONTENT_LENGTH=server.body_limit())
+
+    def refresh_limits() -> None:
+        """A reload may change the body limit and timeout: later requests read them from the app's config."""
+        app.config.update(BODY_TIMEOUT=server.graph.spec.server.body_timeout_seconds,
+                          MAX_CONTENT_LENGTH=server.body_limit())
+
+    @app.before_request
+    async def _guard() -> Response | None:
+        """Host, origin, key and content type: checked before routing, so an unknown route or method tells
+        an unauthenticated client nothing, and before the body is read (the connection is then closed)."""
+        headers = {name.lower(): value for name, value in request.headers.items()}
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # RFC 9112 §6.1: a request with both may be smuggling one inside the other; never reuse it.
+            return server.error_response(request.path, ApiError(
+                "invalid_request", "The request has both Content-Length and Transfer-Encoding."), close=True)
+        try:
+            server.guard.check(request.method, request.path, headers)
+        except ApiError as error:
+            return server.error_response(request.path, error, close=True)
+        return None
+
+    async def dispatch(path: str = "") -> Response:
+        """Every graph route: matched against the generation serving new requests now."""
+        gen = server.live.gen
+        try:
+            match = gen.match(request.method, request.path)
+        except MethodNotAllowed as exc:
+            allowed = sorted(exc.valid_methods or [])
+            if request.method == "OPTIONS":
+                return Response(b"", status=200, headers={"allow": ", ".join([*allowed, "OPTIONS"])})
+            error = ApiError("method_not_allowed", f"{request.method} is not allowed on {request.path}; "
+                             f"allowed: {', '.join(allowed)}.")
+            response = server.error_response(request.path, error, close=True)
+            response.headers["allow"] = ", ".join(allowed)
+            return response
+        except NotFound:
+            return server.error_response(request.path, ApiError(
+                "not_found", f"No route {request.method} {request.path}. Routes: {gen.routes_text()}, "
+                "GET /health."), close=True)
+        body = await request.get_data(cache=False, as_text=False)
+        assert isinstance(body, bytes)
+        http = HttpRequest(
+            method=request.method, path=request.path, query=request.query_string.decode("latin-1"),
+            headers=tuple(request.headers.items()), body=body,
+            request_id=uuid.uuid4().hex[:24], params=tuple(match.params.items()),
+        )
+        return await server.respond(gen, match.runner, http, app.nursery, _request_runs.get())
+
+    app.add_url_rule("/<path:path>", endpoint="graph", view_func=dispatch, methods=METHODS,
+                     provide_automatic_options=False)
+
+    @app.route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return _json({"name": "flow", "graph": server.live.gen.info(), "status": "ok"})
+
+    @app.route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        body = server.observer.health_json()
+        return _json(body, 200 if body["status"] == "ok" else 503)
+
+    @app.route("/metrics", methods=["GET"])
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.route("/stats", methods=["GET"])
+    async def stats() -> Response:
+        return _json(server.observer.stats_json())
+
+    @app.route("/admin/reload", methods=["POST"])
+    async def reload() -> Response:
+        """Compile the graph file again and switch to it (the API key guards it like every route)."""
+        outcome = await server.reload()
+        return _json(outcome.json(), 200 if outcome.report is not None else 422)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        code = exc.code or 500
+        if not has_request_context():  # a WebSocket: it has no HTTP request to answer
+            return Response(b"", status=code)
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 408: "invalid_request"}
+        kind = kinds.get(code, "invalid_request" if code < 500 else "internal")
+        message = {
+            404: f"No route {request.method} {request.path}. Routes: {server.live.gen.routes_text()}, GET /health.",
+            405: f"{request.method} is not allowed on {request.path}.",
+            413: f"The request body is larger than {server.body_limit()} bytes, more than the served models' "
+                 "context can take.",
+            408: f"The request body did not arrive within {server.graph.spec.server.body_timeout_seconds:g} "
+                 "seconds.",
+        }.get(code, exc.description or "error")
+        # Routing and size errors come before the body is read: the connection cannot carry another request.
+        return server.error_response(request.path, ApiError(kind, message), close=True)  # type: ignore[arg-type]
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        request_id = uuid.uuid4().hex[:24]
+        log.error("unexpected error %s", request_id, exc_info=exc)
+        error = ApiError("internal", f"Internal server error (request id {request_id}); the server log has "
+                         "the details.")
+        if not has_request_context():
+            return Response(b"", status=500)
+        return server.error_response(request.path, error, close=True)
+
+    @app.before_serving
+    async def _limits() -> None:
+        refresh_limits()
+
+    server.on_reload = refresh_limits
+    return app

@@ -1,0 +1,118 @@
+"""What the server shows about itself: ``/health``, ``/stats`` and ``/metrics``.
+
+Everything is read at request (or scrape) time from the live graph: the current
+generation's models and resources, its edges' traffic, the request counters.
+``/health`` needs no API key, so it names no file paths.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from flow.metrics import Metric, Registry
+from flow.resources import ModelResource
+
+if TYPE_CHECKING:
+    from flow.server import FlowServer
+
+
+class Observer:
+    """The server's metrics registry and its JSON views."""
+
+    def __init__(self, server: FlowServer) -> None:
+        self.server = server
+        self.metrics = Registry()
+        self.requests = self.metrics.counter("flow_requests_total", "Requests by route and response status.")
+        self.duration = self.metrics.histogram("flow_request_duration_seconds", "Whole request time by route.")
+        self.first_byte = self.metrics.histogram(
+            "flow_time_to_first_byte_seconds", "Time until the response head (streams: the first event) by route.")
+        self.metrics.collector(self._collect)
+
+    def _graph(self) -> dict[str, Any]:
+        live = self.server.live
+        if live.current is None:
+            return {"name": self.server.graph.name, "version": 0, "loaded_at": None}
+        return {**live.gen.info(), "reloads": live.reloads, "failed_reloads": live.reload_failures}
+
+    def health_json(self) -> dict[str, Any]:
+        server = self.server
+        return {
+            "status": "ok" if server.started else "loading",
+            "graph": self._graph(),
+            "uptime_seconds": round(time.time() - server.started_at, 1),
+            "requests": {"total": server.requests_total, "active": server.requests_active,
+                         "failed": server.requests_failed},
+            "models": [self._model_health(m) for m in server.models],
+        }
+
+    def stats_json(self) -> dict[str, Any]:
+        """Everything observable: requests, models with their engines, and resources that keep stats."""
+        health = self.health_json()
+        resources = self.server.live.gen.resources if self.server.live.current is not None else {}
+        stats = {rid: res.stats() for rid, res in resources.items()}
+        return {
+            "graph": health["graph"],
+            "uptime_seconds": health["uptime_seconds"],
+            "requests": health["requests"],
+            "models": {m["id"]: m for m in health["models"]},
+            "resources": {rid: numbers for rid, numbers in stats.items() if numbers is not None},
+            "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams}
+                      for (src, dst), e in self._edge_stats().items()},
+        }
+
+    def _edge_stats(self) -> dict[tuple[str, str], Any]:
+        live = self.server.live
+        return live.gen.edge_stats() if live.current is not None else {}
+
+    def _collect(self) -> list[Metric]:
+        """Metrics read at scrape time from the engines, stores and edges."""
+        server = self.server
+        active = Metric("flow_requests_active", "Requests in flight.", "gauge")
+        active.set(server.requests_active)
+        version = Metric("flow_graph_version", "Version of the graph serving new requests (1 + reloads).", "gauge")
+        version.set(self._graph()["version"])
+        prompt = Metric("flow_prompt_tokens_total", "Prompt tokens prefilled, by model.", "counter")
+        generated = Metric("flow_generated_tokens_total", "Tokens generated, by model.", "counter")
+        running = Metric("flow_engine_sequences", "Sequences in the engine, by model and state.", "gauge")
+        steps = Metric("flow_engine_steps_total", "Engine steps, by model.", "counter")
+        finished = Metric("flow_engine_sequences_total", "Sequences that left the engine, by model and outcome.",
+                          "counter")
+        for model in server.models:
+            if model.loaded is None:
+                continue
+            engine = model.loaded.engine
+            stats = engine.stats
+            prompt.set(stats.prompt_tokens, model=model.name)
+            generated.set(stats.generated_tokens, model=model.name)
+            running.set(engine.active, model=model.name, state="active")
+            running.set(engine.waiting, model=model.name, state="waiting")
+            steps.set(stats.steps, model=model.name)
+            for outcome in ("finished", "cancelled", "failed"):
+                finished.set(getattr(stats, outcome), model=model.name, outcome=outcome)
+        store_entries = Metric("flow_store_entries", "Entries in stores, by resource.", "gauge")
+        store_bytes = Metric("flow_store_bytes", "Bytes held by stores, by resource.", "gauge")
+        resources = server.live.gen.resources if server.live.current is not None else {}
+        for rid, res in resources.items():
+            numbers = res.stats()
+            if numbers is not None and "entries" in numbers:
+                store_entries.set(numbers["entries"], resource=rid)
+                store_bytes.set(numbers.get("bytes", 0), resource=rid)
+        items = Metric("flow_edge_items_total", "Items sent along each graph edge.", "counter")
+        full = Metric("flow_edge_full_total", "Sends that found the consumer's inbox full (backpressure).", "counter")
+        for (src, dst), e in self._edge_stats().items():
+            items.set(e.items, edge=f"{src}->{dst}")
+            full.set(e.full, edge=f"{src}->{dst}")
+        resource_metrics = [m for res in resources.values() for m in res.metrics()]
+        return [active, version, prompt, generated, running, steps, finished, store_entries, store_bytes, items,
+                full, *resource_metrics]
+
+    @staticmethod
+    def _model_health(model: ModelResource) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
+                               "state": model.state, "family": model.family.name, "loads": model.loads}
+        if model.loaded is not None:  # no paths: /health needs no key
+            out.update(smoke_test=model.loaded.smoke_test,
+                       context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,
+                       engine=model.loaded.engine.stats_json())
+        return out

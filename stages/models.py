@@ -1,0 +1,80 @@
+"""``models.list``: ``GET /v1/models`` and ``GET /v1/models/{model_id}`` as a graph stage.
+
+One body both SDKs read: OpenAI's ``{object: "list", data: [{id, object, created, owned_by}]}`` and
+Anthropic's ``{data: [{type, id, display_name, created_at}], has_more, first_id, last_id}`` (each ignores
+the other's fields). Aliases are listed as models of their own with ``alias_of``. Being a stage, the
+listing is on the graph's routes: a graph may drop it, move it, or list only some models (``models``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import trio
+from pydantic import Field
+
+from flow.resources import MODEL_REFERENCES, ModelResource
+from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from protocols import openai_chat
+from protocols.errors import ApiError
+from protocols.ir import HttpRequest, WireFrame
+from stages.protocol import json_frame
+
+
+class ModelsConfig(StageConfig):
+    models: list[str] = Field(default_factory=list, description="model resources listed (default: all)")
+
+
+def model_entries(model: ModelResource) -> list[dict[str, Any]]:
+    """The listing's entries for one model resource: its name, then each alias."""
+    created = int(model.created)
+    created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
+    entries = []
+    for model_id in model.ids:
+        entry: dict[str, Any] = {"id": model_id, "object": "model", "created": created, "owned_by": "flow",
+                                 "type": "model", "display_name": model_id, "created_at": created_at,
+                                 "lifecycle": "active"}
+        if model_id != model.name:
+            entry["alias_of"] = model.name
+        if model.loaded is not None:
+            entry["max_input_tokens"] = model.loaded.context_length
+            if model.loaded.smoke_test:
+                entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
+                entry["display_name"] = f"{model_id} (smoke-test model)"
+        entries.append(entry)
+    return entries
+
+
+class ModelsList(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
+    type_name: ClassVar[str] = "models.list"
+    input_type: ClassVar[Any] = HttpRequest
+    output_type: ClassVar[Any] = WireFrame
+    description = ("the served models in a shape both SDKs read; with a {model_id} route parameter, one model "
+                   "(404 model_not_found otherwise)")
+    Config = ModelsConfig
+    references = MODEL_REFERENCES
+    codec = openai_chat.ChatCodec
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = self.links.many("models", ModelResource)
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [entry for model in self.models for entry in model_entries(model)]
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
+        async for http in inbox:
+            data = self.listing()
+            model_id = dict(http.params).get("model_id")
+            if model_id is None:
+                await outbox.send(json_frame({"object": "list", "data": data, "has_more": False,
+                                              "first_id": data[0]["id"] if data else None,
+                                              "last_id": data[-1]["id"] if data else None}))
+                continue
+            found = next((entry for entry in data if entry["id"] == model_id), None)
+            if found is None:
+                raise ApiError("not_found", f"The model {model_id!r} does not exist on this server. Available "
+                               f"models: {', '.join(e['id'] for e in data) or '(none)'}.", param="model",
+                               code="model_not_found")
+            await outbox.send(json_frame(found))
