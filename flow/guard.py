@@ -81,7 +81,8 @@ class Guard:
         if self.api_key is not None and path not in UNGUARDED_PATHS and not self.key_ok(headers):
             raise ApiError("authentication", "Invalid or missing API key; send it as 'x-api-key: KEY' or "
                            "'Authorization: Bearer KEY'.")
-        if method == "POST":
+        bodiless = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+        if method == "POST" and not (bodiless and "content-type" not in headers):  # e.g. POST /admin/reload
             kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if kind != "application/json":
                 raise ApiError("unsupported_media_type", f"POST bodies must be JSON with 'Content-Type: "

@@ -131,11 +131,12 @@ class ReloadReport:
     kept: list[str] = field(default_factory=list)
     built: list[str] = field(default_factory=list)
     retiring: list[str] = field(default_factory=list)  # closed once the old generation's requests end
+    in_flight: int = 0  # requests the old generation was still running at the switch (they finish on it)
     seconds: float = 0.0
 
     def json(self) -> dict[str, Any]:
         return {"version": self.version, "kept": self.kept, "built": self.built, "retiring": self.retiring,
-                "seconds": round(self.seconds, 3)}
+                "in_flight": self.in_flight, "seconds": round(self.seconds, 3)}
 
 
 class ReloadRefused(Exception):
@@ -216,7 +217,7 @@ class LiveGraph:
             held = {id(r) for r in resources.values()}
             report = ReloadReport(gen.version, kept=sorted(kept), built=sorted(set(resources) - set(kept)),
                                   retiring=sorted(rid for rid, r in old.resources.items() if id(r) not in held),
-                                  seconds=time.perf_counter() - started)
+                                  in_flight=old.active, seconds=time.perf_counter() - started)
             self._close_unheld()
             log.info("graph %s v%d live (%.2f s): kept %s; built %s; retiring %s", graph.name, gen.version,
                      report.seconds, report.kept or "nothing", report.built or "nothing",

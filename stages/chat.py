@@ -82,6 +82,9 @@ def turn_groups(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], lis
 
 
 class PrepareConfig(ModelStageConfig):
+    default_max_tokens: int | None = Field(
+        default=None, ge=1, description="max_tokens for requests that give none (default: the model resource's "
+                                        "default_max_tokens); changing it in a live reload keeps the model loaded")
     stop_tokens: list[str] = Field(
         default_factory=list,
         description="extra tokens that end generation (e.g. end-of-turn tokens the tokenizer config omits)")
@@ -176,7 +179,8 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
                     f"{'shorten the last message' if dropping else 'shorten them'}.",
                     param="messages",
                 )
-            max_tokens = min(resource.config.default_max_tokens, room)
+            default = self.config.default_max_tokens or resource.config.default_max_tokens  # type: ignore[attr-defined]
+            max_tokens = min(default, room)
         return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
                               stop_token_ids=self.stop_ids(resource.name, tokenizer), max_tokens=max_tokens, text=text)
 
