@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from flow.builtins import default_registry
 from flow.registry import Registry
-from flow.resource import Reference, Resource
+from flow.resource import Reference, Resource, ResourceConfig
 from flow.spec import GraphSpec, SpecError, load_tables
 from flow.stage import EntryStage, ExitStage, Stage, StageConfig
 from protocols.ir import UNION_NAMES
@@ -83,7 +83,7 @@ class CompiledResource:
     id: str
     type_name: str
     cls: type[Resource]
-    config: BaseModel
+    config: ResourceConfig
     refs: Refs  # every reference, used or served
     uses: tuple[str, ...]  # resources built before it and handed to it
     served_by: tuple[str, ...]  # resources whose ``serves`` reference names it (built before it)
@@ -200,7 +200,7 @@ class _Compiler:
 
     # ---------------------------------------------------------------- resources
     def compile_resources(self) -> None:
-        validated: dict[str, tuple[type[Resource], BaseModel]] = {}
+        validated: dict[str, tuple[type[Resource], ResourceConfig]] = {}
         for rid, table in self.spec.resources.items():
             path = f"resources.{rid}"
             if "." in rid:

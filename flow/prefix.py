@@ -66,8 +66,9 @@ class PrefixCacheResource(Resource):
         super().__init__(resource_id, config, links)
         from runtime.prefix_cache import PrefixCache, PrefixConfig  # MLX: only when a graph is built
 
-        self.cache = PrefixCache(PrefixConfig(block_tokens=config.block_tokens, hot_bytes=config.hot_bytes,
-                                              default_ttl=config.default_ttl_seconds))
+        settings = self.config
+        self.cache = PrefixCache(PrefixConfig(block_tokens=settings.block_tokens, hot_bytes=settings.hot_bytes,
+                                              default_ttl=settings.default_ttl_seconds))
         self._device: DeviceThread | None = None
         self.disk_error: str | None = None  # why the disk tier did not start
 

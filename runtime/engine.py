@@ -865,12 +865,14 @@ def _held(layer: Any, row: int | None) -> tuple[mx.array, mx.array, int]:
     A full cache holds every position (a batch row after its left padding); a sliding-window
     (rotating) cache only the last ones, possibly wrapped around its ring buffer.
     """
-    if isinstance(layer, BatchKVCache):
+    if isinstance(layer, (BatchKVCache, KVCache)):
+        keys, values = layer.keys, layer.values  # None only before the first token: never read then
+        assert keys is not None and values is not None, "a cache is read once it holds positions"
+        if isinstance(layer, KVCache):
+            return keys, values, 0
         assert row is not None, "a batch cache is read one row at a time"
         pad = int(layer.left_padding[row].item())  # type: ignore[arg-type]  # (an integer array)
-        return layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:], 0
-    if isinstance(layer, KVCache):
-        return layer.keys, layer.values, 0
+        return keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], 0
     if row is not None:
         layer = layer.extract(row)  # a rotating row, unrolled into position order
         keys, values = layer.keys, layer.values
