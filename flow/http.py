@@ -2,7 +2,7 @@
 
 The graph's routes are not Quart rules: they change with a reload. One
 catch-all view matches each request against the current generation's routing
-table (werkzeug's, so ``{param}`` paths, 404 and 405 behave as usual) and
+table (``{param}`` segments; 404, or 405 with the methods the path has) and
 hands it to :meth:`FlowServer.respond`. The shell owns only ``/``, ``/health``,
 ``/stats``, ``/metrics`` and ``POST /admin/reload``; every error it writes
 itself (unknown route, wrong method, body too large or too slow, refused host
@@ -23,8 +23,9 @@ from typing import Any
 import trio
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+from werkzeug.exceptions import HTTPException
 
+from flow.live import NoRoute
 from flow.server import FlowServer
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest
@@ -101,19 +102,18 @@ def create_app(server: FlowServer) -> QuartTrio:
         gen = server.live.gen
         try:
             match = gen.match(request.method, request.path)
-        except MethodNotAllowed as exc:
-            allowed = sorted(exc.valid_methods or [])
+        except NoRoute as missing:
+            if not missing.allowed:
+                return server.error_response(request.path, ApiError(
+                    "not_found", f"No route {request.method} {request.path}. Routes: {gen.routes_text()}, "
+                    "GET /health."), close=True)
             if request.method == "OPTIONS":
-                return Response(b"", status=200, headers={"allow": ", ".join([*allowed, "OPTIONS"])})
+                return Response(b"", status=200, headers={"allow": ", ".join([*missing.allowed, "OPTIONS"])})
             error = ApiError("method_not_allowed", f"{request.method} is not allowed on {request.path}; "
-                             f"allowed: {', '.join(allowed)}.")
+                             f"allowed: {', '.join(missing.allowed)}.")
             response = server.error_response(request.path, error, close=True)
-            response.headers["allow"] = ", ".join(allowed)
+            response.headers["allow"] = ", ".join(missing.allowed)
             return response
-        except NotFound:
-            return server.error_response(request.path, ApiError(
-                "not_found", f"No route {request.method} {request.path}. Routes: {gen.routes_text()}, "
-                "GET /health."), close=True)
         body = await request.get_data(cache=False, as_text=False)
         assert isinstance(body, bytes)
         http = HttpRequest(

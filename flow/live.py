@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from werkzeug.exceptions import MethodNotAllowed, NotFound
-from werkzeug.routing import Map, Rule
 
 from flow.compiler import CompiledGraph, CompiledResource, Route
 from flow.resource import Links, Resource
@@ -43,14 +41,46 @@ from runtime.device import DeviceThread
 log = logging.getLogger("flow.live")
 
 
-def werkzeug_rule(path: str) -> str:
-    """Graph routes write path parameters as ``{name}``; werkzeug wants ``<name>`` (slashes not included)."""
-    out, rest = [], path
-    while "{" in rest:
-        head, _, tail = rest.partition("{")
-        name, _, rest = tail.partition("}")
-        out += [head, f"<{name}>"]
-    return "".join([*out, rest])
+class NoRoute(Exception):
+    """No route has the path (404), or none with the method: ``allowed`` lists those that have it (405)."""
+
+    def __init__(self, allowed: list[str]) -> None:
+        super().__init__(", ".join(allowed))
+        self.allowed = allowed
+
+
+class RouteTable:
+    """The graph's routes by path pattern: ``/v1/agents/{agent_id}`` has one fixed and one parameter
+    segment; a parameter matches one non-empty segment. Built per generation (cheap: no regex compiling on
+    the event loop at each reload); a trailing slash is ignored; GET routes answer HEAD too."""
+
+    def __init__(self, routes: tuple[Route, ...]) -> None:
+        self._patterns: list[tuple[tuple[str, ...], str, Route]] = [
+            (self._segments(route.path), route.method, route) for route in routes]
+
+    @staticmethod
+    def _segments(path: str) -> tuple[str, ...]:
+        return tuple(path.rstrip("/").split("/")) if path != "/" else ("",)
+
+    def match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
+        segments = self._segments(path)
+        allowed: set[str] = set()
+        for pattern, route_method, route in self._patterns:
+            if len(pattern) != len(segments):
+                continue
+            params: dict[str, str] = {}
+            for want, got in zip(pattern, segments):
+                if want.startswith("{") and want.endswith("}"):
+                    if not got:
+                        break
+                    params[want[1:-1]] = got
+                elif want != got:
+                    break
+            else:
+                if route_method == method or (method == "HEAD" and route_method == "GET"):
+                    return route, params
+                allowed.update([route_method, "HEAD"] if route_method == "GET" else [route_method])
+        raise NoRoute(sorted(allowed))
 
 
 @dataclass
@@ -71,17 +101,15 @@ class Generation:
             sid: st.cls(sid, st.config, _links(st.refs, resources)) for sid, st in graph.stages.items()
         }
         self.runners = {(r.method, r.path): RouteRunner(graph, r, self.stages) for r in graph.routes}
-        self._map = Map([Rule(werkzeug_rule(r.path), endpoint=f"{r.method} {r.path}", methods=[r.method])
-                         for r in graph.routes], strict_slashes=False, merge_slashes=False)
+        self._table = RouteTable(graph.routes)
         self.active = 0  # requests running on it
         self.retired = False
         self.idle = trio.Event()  # set once retired with no request left
 
     def match(self, method: str, path: str) -> RouteMatch:
-        """The route for ``method path``; raises werkzeug's NotFound or MethodNotAllowed (with the valid methods)."""
-        endpoint, params = self._map.bind("localhost").match(path, method)
-        method_, _, route_path = str(endpoint).partition(" ")
-        return RouteMatch(self.runners[(method_, route_path)], {k: str(v) for k, v in params.items()})
+        """The route for ``method path``; raises :class:`NoRoute` (with the methods the path has, if any)."""
+        route, params = self._table.match(method, path)
+        return RouteMatch(self.runners[(route.method, route.path)], params)
 
     def exit_stage(self, stage_id: str) -> ExitStage[Any, Any]:
         stage = self.stages[stage_id]
@@ -315,7 +343,3 @@ class LiveGraph:
 
     def generations(self) -> list[Generation]:
         return [*self._retired, self.gen]
-
-
-__all__ = ["Generation", "LiveGraph", "MethodNotAllowed", "NotFound", "ReloadRefused", "ReloadReport",
-           "RouteMatch", "werkzeug_rule"]
