@@ -271,8 +271,8 @@ class LiveGraph:
                 for resource in built:
                     nursery.start_soon(resource.start, self.device)
         except BaseException:
-            for resource in built:
-                self._close(resource, graph_resources=resources)
+            for resource in built:  # the servers that took it in let it go
+                self._close(resource, graph_resources=resources, graph=graph)
             raise
         for resource in built:
             self._start_duty(resource)

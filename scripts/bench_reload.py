@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -58,16 +59,29 @@ def client(base: str, stop: threading.Event, outcomes: list[bool], index: int, s
                 outcomes.append(False)
 
 
+def load(base: str, streams: int, stop: Any, results: Any) -> None:
+    """The load generator, in its own process (its threads would otherwise share the server's GIL)."""
+    halt = threading.Event()
+    outcomes: list[bool] = []
+    threads = [threading.Thread(target=client, args=(base, halt, outcomes, i, streams)) for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    stop.wait()
+    halt.set()
+    for thread in threads:
+        thread.join(120)
+    results.put(outcomes)
+
+
 def run(server: Any, base: str, path: Path, model: str, streams: int, seconds: float,
         reloads: int) -> dict[str, Any]:
     engine = server.models[0].loaded.engine
     samples: list[tuple[float, int]] = []
-    stop = threading.Event()
-    outcomes: list[bool] = []
-    threads = [threading.Thread(target=client, args=(base, stop, outcomes, i, streams)) for i in range(streams)]
-    for thread in threads:
-        thread.start()
-    time.sleep(5.0)  # every client in its loop
+    spawn = multiprocessing.get_context("spawn")
+    stop, queue = spawn.Event(), spawn.Queue()
+    loader = spawn.Process(target=load, args=(base, streams, stop, queue))
+    loader.start()
+    time.sleep(8.0)  # the process started, every client in its loop
     start = time.perf_counter()
     reload_at: list[float] = []
     latencies: list[float] = []
@@ -90,8 +104,8 @@ def run(server: Any, base: str, path: Path, model: str, streams: int, seconds: f
         time.sleep(0.1)
     stop.set()
     admin.close()
-    for thread in threads:
-        thread.join(120)
+    outcomes: list[bool] = queue.get(timeout=180)
+    loader.join(30)
     total = (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
 
     def rate(t0: float, t1: float) -> float:

@@ -166,7 +166,7 @@ def test_a_changed_resource_is_rebuilt_and_the_old_one_closed(tiny_qwen3: Path, 
         assert running.server.models[0].loads == 1
 
 
-@pytest.mark.parametrize("change", ["port", "unreadable"])
+@pytest.mark.parametrize("change", ["port", "unreadable", "unstartable"])
 def test_a_reload_that_cannot_apply_changes_nothing(tiny_qwen3: Path, tmp_path: Path, change: str) -> None:
     tables = tables_with_prefix_cache(tiny_qwen3, tmp_path / "kv", block_tokens=16)
     state: dict[str, Any] = {"tables": tables}
@@ -177,10 +177,16 @@ def test_a_reload_that_cannot_apply_changes_nothing(tiny_qwen3: Path, tmp_path: 
         return compile_tables(copy.deepcopy(state["tables"]), "v2")
 
     with running_server(compile_tables(copy.deepcopy(tables), "v1"), loader=loader) as running:
-        state["tables"]["server"] = {"port": 9}
+        if change == "unstartable":  # compiles, but its new model cannot load: the old graph serves on
+            state["tables"]["resources"]["second"] = {"type": "model", "path": str(tmp_path / "no-such-model")}
+        else:
+            state["tables"]["server"] = {"port": 9}
         report = _reload(running.base_url)
         assert report["status"] == 422 and not report["reloaded"]
-        assert ("server.port changed" if change == "port" else "graph file vanished") in report["errors"]
+        expected = {"port": "server.port changed", "unreadable": "graph file vanished",
+                    "unstartable": "the new graph's resources failed to start"}[change]
+        assert expected in report["errors"], report
+        assert [m.name for m in running.server.models] == ["tiny"]
         assert running.health()["graph"]["version"] == 1
         assert _chat(running.base_url, max_tokens=2).status_code == 200
 
