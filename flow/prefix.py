@@ -37,7 +37,6 @@ from runtime.device import DeviceThread
 
 if TYPE_CHECKING:
     from runtime.kv_disk import DiskTier
-    from runtime.prefix_cache import PrefixCache
 
 log = logging.getLogger("flow.prefix")
 

@@ -21,7 +21,6 @@ stream announced. Codex reads conversation items only from
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal

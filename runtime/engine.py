@@ -101,7 +101,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import mlx.core as mx
 import trio
@@ -112,7 +112,7 @@ from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, 
 from runtime.device import DeviceThread
 from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
-from runtime.engine_config import STRATEGIES, EngineConfig, EngineOverloaded, Strategy  # noqa: F401  (re-exported)
+from runtime.engine_config import EngineConfig, EngineOverloaded
 
 log = logging.getLogger("flow.engine")
 

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from flow.compiler import CompiledGraph, compile_tables
 from flow.embedded import RunningServer, running_server
@@ -11,8 +18,8 @@ from flow.spec import load_tables
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 
-__all__ = ["GRAPHS", "RunningServer", "graph_with_model", "running_server", "tables_with_model",
-           "tables_with_prefix_cache"]
+__all__ = ["GRAPHS", "RunningServer", "free_port", "graph_with_model", "running_server", "serve_process",
+           "tables_with_model", "tables_with_prefix_cache"]
 
 
 def tables_with_model(model_path: Path | str, *, graph: str = "default.toml", name: str = "tiny",
@@ -35,3 +42,38 @@ def graph_with_model(model_path: Path | str, *, graph: str = "default.toml", nam
                      **overrides: Any) -> CompiledGraph:
     """The named graph file with its model resource pointed at ``model_path``."""
     return compile_tables(tables_with_model(model_path, graph=graph, name=name, **overrides), f"{graph} (test)")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def serve_process(command: list[str], *, log: Path, cwd: Path | None = None, env: dict[str, str] | None = None,
+                  seconds: float = 120) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A real ``flow serve`` process (``command`` without host and port) on a free loopback port, once its
+    ``/health`` says ok; killed at the end if still running. Its output goes to ``log``."""
+    port = free_port()
+    with log.open("ab") as out:
+        proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], cwd=cwd, env=env,
+                                stdout=out, stderr=out)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + seconds
+        while True:
+            assert proc.poll() is None, f"flow serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"flow serve did not start:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)

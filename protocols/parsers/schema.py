@@ -10,7 +10,6 @@ string — the text is kept as it was written, so nothing is ever lost.
 from __future__ import annotations
 
 import ast
-import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal

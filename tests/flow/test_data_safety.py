@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sqlite3
 import stat
 import subprocess
@@ -36,7 +35,7 @@ from flow.resource import Links
 from protocols.ir import Message
 from runtime.kv_disk import DiskTier, HostBlock
 from runtime.private_files import is_private, private_db, private_dir, private_file
-from tests.harness import GRAPHS, RunningServer, running_server, tables_with_model
+from tests.harness import GRAPHS, RunningServer, running_server, serve_process, tables_with_model
 
 GARBAGE = b"this is not an SQLite database, whatever its name says\n" * 40
 SYSTEM = "You are the keeper's assistant at the old lighthouse. Answer briefly, mention the lamp. " * 2
@@ -337,39 +336,12 @@ def test_the_data_directory_of_an_older_version_is_tightened(tiny_qwen3: Path, d
 # --------------------------------------------------------------------------- kill -9
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def flow_serve(graph: Path, data: Path, log: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A real ``flow serve`` process on a free loopback port, FLOW_DATA_DIR=data; killed at the end."""
-    port = free_port()
-    env = {**os.environ, "FLOW_DATA_DIR": str(data)}
-    with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--host", "127.0.0.1",
-                                 "--port", str(port)], env=env, stdout=out, stderr=out,
-                                cwd=GRAPHS.parent)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"flow serve exited {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"flow serve did not start:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(base + "/health", timeout=5).json().get("status") == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+    with serve_process([sys.executable, "-m", "flow.cli", "serve", str(graph)], log=log, cwd=GRAPHS.parent,
+                       env={**os.environ, "FLOW_DATA_DIR": str(data)}) as served:
+        yield served
 
 
 class Clients:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from flow.compiler import compile_tables
-from tests.harness import GRAPHS, RunningServer, running_server, tables_with_model
+from tests.harness import GRAPHS, RunningServer, free_port, running_server, tables_with_model
 
 B: dict[str, Any] = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 JSON = {"content-type": "application/json"}
@@ -303,14 +303,8 @@ def test_anthropic_routes_answer_shell_errors_in_their_shape(server: RunningServ
 # ---------------------------------------------------------------------------------------------- SIGTERM
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_sigterm_drains_streams_then_ends_them_in_their_protocol(tiny_qwen3: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     graph = tmp_path / "graph.toml"
     graph.write_text(f'extends = "{GRAPHS / "default.toml"}"\n[server]\nshutdown_grace_seconds = 2\n'
                      f'[resources.model]\npath = "{tiny_qwen3}"\nname = "tiny"\naliases = ["default"]\n')

@@ -15,17 +15,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.harness import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 # Top-level entries that are not part of the distribution (or are remade by the build).
@@ -137,37 +137,12 @@ def test_check_finds_bundled_graphs_by_name(installed: Installed) -> None:
     assert missing.returncode == 1 and "file not found" in missing.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def demo_server(installed: Installed, tiny_qwen3: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """``flow serve demo`` from the installed wheel (its tiny model is built already: ``tiny_qwen3``)."""
-    port = _free_port()
-    log_path = installed.cwd / "serve.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([str(installed.venv / "bin" / "flow"), "serve", "demo", "--host", "127.0.0.1",
-                                 "--port", str(port)], cwd=installed.cwd, env=installed.env, stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"flow serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"flow serve did not start:\n{log_path.read_text()[-3000:]}"
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+    with serve_process([str(installed.venv / "bin" / "flow"), "serve", "demo"], log=installed.cwd / "serve.log",
+                       cwd=installed.cwd, env=installed.env) as served:
+        yield served
 
 
 def test_serve_demo_from_the_wheel(demo_server: tuple[subprocess.Popen[bytes], str]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.harness import GRAPHS
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from tests.harness import GRAPHS, free_port
 
 
 def _until(check: Callable[[], Any], seconds: float = 60) -> Any:
@@ -45,7 +37,7 @@ def _graph(model: Path, extra: str = "", cache: str = "") -> str:
 def test_watch_and_sighup_reload_the_graph_file(tiny_qwen3: Path, tmp_path: Path) -> None:
     graph = tmp_path / "graph.toml"
     graph.write_text(_graph(tiny_qwen3))
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "FLOW_DATA_DIR": str(tmp_path / "data")}
     process = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--port", str(port), "--watch"],

@@ -46,7 +46,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from typing import Any
 import httpx
 
 from tests.fuzz.strategies import Case, Expect, Request
+from tests.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_BODY_BYTES = 2 * 1024 * 1024  # the fuzz graph's server.max_body_bytes (large-size cases cross it)
@@ -68,12 +68,6 @@ READ_LIMIT = 64 * 1024 * 1024
 
 
 # --------------------------------------------------------------------------- the server
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fuzz_graph(model_path: Path | str, default_max_tokens: int = 8) -> str:

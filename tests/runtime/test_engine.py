@@ -17,7 +17,8 @@ import trio
 
 from protocols.ir import SamplingParams, TokenChunk
 from runtime.device import DeviceThread
-from runtime.engine import STRATEGIES, Engine, EngineConfig, EngineOverloaded, SequenceHandle
+from runtime.engine import Engine, SequenceHandle
+from runtime.engine_config import STRATEGIES, EngineConfig, EngineOverloaded
 from runtime.tiny import PRESETS, ensure_tiny_model
 
 GREEDY = SamplingParams()

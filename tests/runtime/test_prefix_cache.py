@@ -16,7 +16,8 @@ import pytest
 
 from protocols.ir import CachePolicy
 from runtime.device import DeviceThread
-from runtime.engine import Engine, EngineConfig
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig
 from runtime.kv_disk import DiskTier
 from runtime.prefix_cache import PrefixCache, PrefixConfig, namespace_of
 from runtime.tiny import TinySpec, ensure_tiny_model
