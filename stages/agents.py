@@ -30,12 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flow.agent_store import AGENT_ID, AGENT_ID_RULE, Agent, AgentStore, session_id
 from flow.resource import Reference
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, on_request_end
+from flow.stage import Outbox, StageConfig, on_request_end
 from protocols import openai_chat
 from protocols.errors import ApiError
-from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, ProtocolContext, WireFrame
+from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, ProtocolContext
 from protocols.validation import parse_json_body
-from stages.protocol import FormatConfig, ProtocolDecode, ProtocolFormat, json_frame
+from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat
 
 
 
@@ -121,10 +121,8 @@ def agent_json(agent: Agent, status: str, overflow: ContextOverflow, busy: bool)
 # --------------------------------------------------------------------------- CRUD
 
 
-class AgentsManage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
+class AgentsManage(EndpointStage):
     type_name: ClassVar[str] = "agents.manage"
-    input_type: ClassVar[Any] = HttpRequest
-    output_type: ClassVar[Any] = WireFrame
     description = ("agents API: POST/GET /v1/agents, GET/PATCH/DELETE /v1/agents/{agent_id} "
                    "(route parameter: agent_id)")
     Config = AgentStageConfig
@@ -136,14 +134,13 @@ class AgentsManage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, Wi
 
     codec = openai_chat.ChatCodec
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
-        async for http in inbox:
-            await outbox.send(json_frame(await trio.to_thread.run_sync(self.answer, http)))
+    async def answer(self, http: HttpRequest) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self._answer, http)  # SQLite: off the event loop
 
     def _json(self, agent: Agent) -> dict[str, Any]:
         return agent_json(agent, self.store.status(agent), self.store.overflow(agent), self.store.busy(agent.id))
 
-    def answer(self, http: HttpRequest) -> dict[str, Any]:
+    def _answer(self, http: HttpRequest) -> dict[str, Any]:
         agent_id = dict(http.params).get("agent_id")
         if agent_id is None:
             if http.method == "POST":

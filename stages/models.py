@@ -11,15 +11,14 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-import trio
 from pydantic import Field
 
 from flow.resources import MODEL_REFERENCES, ModelResource
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from flow.stage import StageConfig
 from protocols import openai_chat
 from protocols.errors import ApiError
-from protocols.ir import HttpRequest, WireFrame
-from stages.protocol import json_frame
+from protocols.ir import HttpRequest
+from stages.protocol import EndpointStage
 
 
 class ModelsConfig(StageConfig):
@@ -46,10 +45,8 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
     return entries
 
 
-class ModelsList(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
+class ModelsList(EndpointStage):
     type_name: ClassVar[str] = "models.list"
-    input_type: ClassVar[Any] = HttpRequest
-    output_type: ClassVar[Any] = WireFrame
     description = ("the served models in a shape both SDKs read; with a {model_id} route parameter, one model "
                    "(404 model_not_found otherwise)")
     Config = ModelsConfig
@@ -63,18 +60,15 @@ class ModelsList(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, Wire
     def listing(self) -> list[dict[str, Any]]:
         return [entry for model in self.models for entry in model_entries(model)]
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
-        async for http in inbox:
-            data = self.listing()
-            model_id = dict(http.params).get("model_id")
-            if model_id is None:
-                await outbox.send(json_frame({"object": "list", "data": data, "has_more": False,
-                                              "first_id": data[0]["id"] if data else None,
-                                              "last_id": data[-1]["id"] if data else None}))
-                continue
-            found = next((entry for entry in data if entry["id"] == model_id), None)
-            if found is None:
-                raise ApiError("not_found", f"The model {model_id!r} does not exist on this server. Available "
-                               f"models: {', '.join(e['id'] for e in data) or '(none)'}.", param="model",
-                               code="model_not_found")
-            await outbox.send(json_frame(found))
+    async def answer(self, http: HttpRequest) -> dict[str, Any]:
+        data = self.listing()
+        model_id = dict(http.params).get("model_id")
+        if model_id is None:
+            return {"object": "list", "data": data, "has_more": False,
+                    "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+        found = next((entry for entry in data if entry["id"] == model_id), None)
+        if found is None:
+            raise ApiError("not_found", f"The model {model_id!r} does not exist on this server. Available "
+                           f"models: {', '.join(e['id'] for e in data) or '(none)'}.", param="model",
+                           code="model_not_found")
+        return found

@@ -21,12 +21,12 @@ import trio
 
 from flow.response_store import ResponseStore
 from flow.resource import Reference
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from flow.stage import Outbox, StageConfig
 from protocols import openai_responses
 from protocols.errors import ApiError
 from protocols.openai_responses import ResponsesContext
-from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message, WireFrame
-from stages.protocol import FormatConfig, ProtocolDecode, ProtocolFormat, json_frame
+from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message
+from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat
 
 
 class StoreConfig(StageConfig):
@@ -88,32 +88,27 @@ class OpenAIResponsesFormat(ProtocolFormat):
             await trio.to_thread.run_sync(self.store.put, body["id"], body, conversation)
 
 
-class OpenAIResponsesRetrieve(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
+class OpenAIResponsesRetrieve(EndpointStage):
     type_name: ClassVar[str] = "openai.responses.retrieve"
-    input_type: ClassVar[Any] = HttpRequest
-    output_type: ClassVar[Any] = WireFrame
     description = "GET returns a stored response, DELETE forgets it (route parameter: response_id)"
     Config = StoreConfig
     references = STORE_REFERENCES
+    codec = openai_responses.ResponsesCodec
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.store = self.links.one("store", ResponseStore)
 
-    codec = openai_responses.ResponsesCodec
-
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
-        async for http in inbox:
-            response_id = http.param("response_id")
-            if http.method == "DELETE":
-                if not await trio.to_thread.run_sync(self.store.delete, response_id):
-                    raise self._not_found(response_id)
-                await outbox.send(json_frame({"id": response_id, "object": "response", "deleted": True}))
-                continue
-            entry = await trio.to_thread.run_sync(self.store.get, response_id)
-            if entry is None:
+    async def answer(self, http: HttpRequest) -> dict[str, Any]:
+        response_id = http.param("response_id")
+        if http.method == "DELETE":
+            if not await trio.to_thread.run_sync(self.store.delete, response_id):
                 raise self._not_found(response_id)
-            await outbox.send(json_frame(entry.body))
+            return {"id": response_id, "object": "response", "deleted": True}
+        entry = await trio.to_thread.run_sync(self.store.get, response_id)
+        if entry is None:
+            raise self._not_found(response_id)
+        return entry.body
 
     @staticmethod
     def _not_found(response_id: str) -> ApiError:

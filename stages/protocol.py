@@ -50,6 +50,21 @@ class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
             await outbox.send(self.decode(http, int(time.time())))
 
 
+class EndpointStage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
+    """A route's entry and exit in one: it answers each request by itself (a listing, a stored object)
+    with the JSON body :meth:`answer` returns; its errors take its ``codec``'s shape."""
+
+    input_type: ClassVar[Any] = HttpRequest
+    output_type: ClassVar[Any] = WireFrame
+
+    async def answer(self, http: HttpRequest) -> Any:
+        raise NotImplementedError
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
+        async for http in inbox:
+            await outbox.send(json_frame(await self.answer(http)))
+
+
 class FormatConfig(StageConfig):
     keepalive_seconds: float = Field(
         default=10.0, gt=0, description="idle seconds (e.g. a long prefill) after which a stream gets a keepalive")
