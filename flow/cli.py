@@ -206,11 +206,11 @@ def _size(n: int) -> str:
 
 def _model_row(m: LocalModel) -> list[str]:
     caps = m.capabilities
-    kind = (m.model_type or "?") + (f" {m.quantization_bits}-bit" if m.quantization_bits else "")
+    model_type = (m.model_type or "?") + (f" {m.quantization_bits}-bit" if m.quantization_bits else "")
     verified = caps is not None and caps.tool_calls_verified
     tools = f"{m.tool_delivery}/{m.tool_parser}" + (" (verified)" if verified else "")
     reasoning = m.reasoning_parser + (", thinking toggle" if caps is not None and caps.thinking else "")
-    return [m.id + (" (smoke test)" if m.smoke_test else ""), kind, _size(m.size_bytes),
+    return [m.id + (" (smoke test)" if m.smoke_test else ""), m.kind, model_type, _size(m.size_bytes),
             f"{m.family} ({m.family_source})", tools, reasoning, str(caps.context_length) if caps else "-"]
 
 
@@ -244,7 +244,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([m.to_json() for m in models], indent=2))
     elif models:
-        _print_table([["MODEL", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"],
+        _print_table([["MODEL", "KIND", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"],
                       *(_model_row(m) for m in models)])
     if not models:
         print(_no_models_message(), file=sys.stderr if args.json else sys.stdout)

@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from flow.capabilities import Capabilities, CapabilityStore
 from flow.families import Family, builtin_families, model_facts, resolve_family
+from runtime.model_kinds import ModelKind, detect_kind_of
 
 Source = Literal["hub", "directory", "smoke-test"]
 
@@ -59,6 +60,7 @@ class LocalModel:
     path: Path
     source: Source
     smoke_test: bool
+    kind: ModelKind  # text, vision, embeddings or audio: which loader and stages serve it
     model_type: str | None
     architectures: list[str]
     quantization_bits: int | None
@@ -210,7 +212,7 @@ def describe(found: Found, store: CapabilityStore, families: dict[str, Family]) 
         delivery, reasoning = detected.tools.delivery, detected.reasoning.parser
     return LocalModel(
         id=found.id, path=found.path, source=found.source, smoke_test=config.get("flow_smoke_test") is True,
-        model_type=model_type, architectures=architectures, quantization_bits=_quantization_bits(config),
+        kind=detect_kind_of(found.path), model_type=model_type, architectures=architectures, quantization_bits=_quantization_bits(config),
         size_bytes=found.size_bytes, weight_bytes=sum(p.stat().st_size for p in found.path.glob("*.safetensors")),
         family=family, family_source="probed" if caps is not None else "detected",
         tool_parser=tool_parser, tool_delivery=delivery, reasoning_parser=reasoning, capabilities=caps,

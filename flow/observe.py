@@ -110,7 +110,8 @@ class Observer:
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
         out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
-                               "state": model.state, "family": model.family.name, "loads": model.loads}
+                               "state": model.state, "kind": model.kind, "family": model.family.name,
+                               "loads": model.loads}
         if model.loaded is not None:  # no paths: /health needs no key
             out.update(smoke_test=model.loaded.smoke_test,
                        context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,

@@ -25,6 +25,7 @@ from flow.resource import Links, Reference, Resource, ResourceConfig
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig, Strategy
+from runtime.model_kinds import ModelKind, detect_kind_of
 
 if TYPE_CHECKING:
     from runtime.models import LoadedModel
@@ -57,6 +58,9 @@ class ModelConfig(ResourceConfig):
                                                           "new ones get 429 with Retry-After")
     default_max_tokens: int = Field(default=2048, ge=1, description="max_tokens when a request gives none")
     family: str = Field(default="auto", description="model family (graphs/families/*.toml), or auto-detect")
+    kind: Literal["auto", "text", "vision", "embeddings", "audio"] = Field(
+        default="auto", description="what the model does, which decides its loader: auto-detected from its "
+                                    "config.json, or text (mlx-lm), vision, embeddings, audio")
     load: Literal["eager", "lazy"] = Field(
         default="eager", description="eager: load when the server starts; lazy: on the first request for it")
     pin: bool = Field(default=False, description="never evicted from the model pool")
@@ -86,6 +90,11 @@ class ModelResource(Resource):
         self.family: Family = builtin_families()["default"]
         self.pool: LoadGate | None = None  # the model_pool serving it, if any (set by its serve())
         self.prefix_cache: PrefixCache | None = None  # the prefix cache serving it, if any (set by its serve())
+        # Known now if configured or the path is a local directory; else once the path is resolved (a download).
+        self.kind: ModelKind | None = None if config.kind == "auto" else config.kind
+        local = Path(config.path).expanduser()
+        if self.kind is None and local.is_dir():
+            self.kind = detect_kind_of(local)
         self.created = time.time()  # "created" in the model listing: kept across reloads with the resource
         self.last_used = 0.0
         self.loads = 0
@@ -129,9 +138,16 @@ class ModelResource(Resource):
             self._loading = None
 
     async def _load(self, device: DeviceThread) -> None:
-        from runtime.models import load_model, resolve_model_path  # MLX: only once a model loads
+        from runtime.models import ModelNotAvailable, load_model, resolve_model_path  # MLX: once a model loads
 
         path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
+        if self.kind is None:
+            self.kind = await trio.to_thread.run_sync(detect_kind_of, path)
+        if self.kind != "text":
+            raise ModelNotAvailable(
+                f"{self.name} ({self.config.path}) is a {self.kind} model; this version of flow serves text "
+                "generation models (mlx-lm) only. If the detection is wrong, set kind = \"text\" on its "
+                "[resources.*] table.")
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
@@ -148,9 +164,14 @@ class ModelResource(Resource):
 
     async def ensure_loaded(self) -> LoadedModel:
         """The loaded model, loading it first if the pool unloaded it (or it is lazy)."""
+        from runtime.models import ModelNotAvailable
+
         self.last_used = time.monotonic()
         if self.loaded is None:
-            await self.load()
+            try:
+                await self.load()
+            except ModelNotAvailable as exc:  # a request's load: the client learns why, the server goes on
+                raise ApiError("unavailable", f"Model {self.name!r} cannot be loaded: {exc}") from None
         assert self.loaded is not None
         return self.loaded
 
@@ -205,7 +226,9 @@ class ModelSet:
             for model_id in model.ids:
                 self._by_id.setdefault(model_id, model)
 
-    def lookup(self, model_id: str) -> ModelResource:
+    def lookup(self, model_id: str, kind: ModelKind = "text") -> ModelResource:
+        """The model ``model_id`` names, which must be of ``kind`` (a model whose kind is not known yet — a
+        lazy one from the hub — is checked when it loads)."""
         found = self._by_id.get(model_id)
         if found is None:
             raise ApiError(
@@ -215,4 +238,13 @@ class ModelSet:
                 param="model",
                 code="model_not_found",
             )
+        if found.kind is not None and found.kind != kind:
+            able = sorted(i for i, m in self._by_id.items() if m.kind in (kind, None))
+            raise ApiError("invalid_request", f"The model {model_id!r} is {_article(found.kind)} {found.kind} model "
+                           f"and cannot serve this {kind} request. Models that can: "
+                           f"{', '.join(able) or '(none on this server)'}.", param="model", code="wrong_model_kind")
         return found
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"

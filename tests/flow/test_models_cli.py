@@ -94,13 +94,14 @@ def test_table_shows_each_model_with_its_family_source(
         populated: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["MODEL", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"]
+    assert lines[0].split() == ["MODEL", "KIND", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"]
     rows = {line.split()[0]: line for line in lines[1:4]}
     assert set(rows) == {"flow-test/tiny-qwen3", str(populated["llama"]), "tiny:tiny-qwen3"}
     assert "qwen3 (probed)" in rows["flow-test/tiny-qwen3"] and "injected/hermes_json (verified)" in rows[
         "flow-test/tiny-qwen3"] and rows["flow-test/tiny-qwen3"].rstrip().endswith("4096")
     assert "llama3 (detected)" in rows[str(populated["llama"])] and rows[str(populated["llama"])].endswith("-")
     assert "(smoke test)" in rows["tiny:tiny-qwen3"] and "qwen3 (detected)" in rows["tiny:tiny-qwen3"]
+    assert all(" text " in row for row in rows.values())  # the KIND column
     # Columns line up: every row's FAMILY cell starts under the header.
     column = lines[0].index("FAMILY")
     assert all(line[column:].startswith(("qwen3 (", "llama3 (")) for line in lines[1:4])
