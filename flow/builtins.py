@@ -25,6 +25,7 @@ from stages.anthropic import (
 )
 from stages.chat import ChatPrepare, ChatProcess
 from stages.echo import EchoGenerate
+from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
 from stages.generate import Generate
 from stages.models import ModelsList
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
@@ -38,6 +39,7 @@ STAGES = (
     AnthropicMessagesDecode, AnthropicMessagesFormat, AnthropicCountTokensDecode, AnthropicCountTokensFormat,
     AgentsManage, AgentsGenerateDecode, AgentsGenerateFormat,
     ModelsList,
+    EmbeddingsDecode, Embed, EmbeddingsFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
 )
 RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)

@@ -65,13 +65,13 @@ class ModelPool(Resource):
             self.models.remove(target)
 
     def _loaded(self, besides: ModelResource | None = None) -> list[ModelResource]:
-        return [m for m in self.models if m.loaded is not None and m is not besides]
+        return [m for m in self.models if m.ready and m is not besides]
 
     def _over(self, incoming: ModelResource, incoming_bytes: int) -> bool:
         loaded = self._loaded(incoming)
         if self.config.max_loaded is not None and len(loaded) + 1 > self.config.max_loaded:
             return True
-        used = sum(m.loaded.weight_bytes for m in loaded if m.loaded is not None)
+        used = sum(m.weight_bytes for m in loaded)
         return self.config.max_bytes is not None and used + incoming_bytes > self.config.max_bytes
 
     async def make_room(self, incoming: ModelResource) -> None:
@@ -118,7 +118,7 @@ class ModelPool(Resource):
         return {
             "type": self.type_name,
             "loaded": [m.name for m in loaded],
-            "loaded_bytes": sum(m.loaded.weight_bytes for m in loaded if m.loaded is not None),
+            "loaded_bytes": sum(m.weight_bytes for m in loaded),
             "pinned": [m.name for m in self.models if m.config.pin],
             "models": {m.name: {"state": m.state, "loads": m.loads} for m in self.models},
             "max_loaded": self.config.max_loaded, "max_bytes": self.config.max_bytes,

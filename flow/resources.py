@@ -28,6 +28,7 @@ from runtime.engine_config import EngineConfig, Strategy
 from runtime.model_kinds import ModelKind, detect_kind_of
 
 if TYPE_CHECKING:
+    from runtime.embeddings import LoadedEmbedder
     from runtime.models import LoadedModel
     from runtime.prefix_cache import PrefixCache
 
@@ -64,6 +65,9 @@ class ModelConfig(ResourceConfig):
     load: Literal["eager", "lazy"] = Field(
         default="eager", description="eager: load when the server starts; lazy: on the first request for it")
     pin: bool = Field(default=False, description="never evicted from the model pool")
+    embed_pass_tokens: int = Field(
+        default=8192, ge=64, description="embedding models: padded tokens per forward pass (inputs of concurrent "
+                                         "requests share passes up to this)")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
@@ -86,7 +90,8 @@ class ModelResource(Resource):
         super().__init__(resource_id, config, links)
         assert isinstance(config, ModelConfig)
         self.name = config.name or resource_id
-        self.loaded: LoadedModel | None = None
+        self.loaded: LoadedModel | None = None  # a text model's
+        self.embedding: LoadedEmbedder | None = None  # an embedding model's
         self.family: Family = builtin_families()["default"]
         self.pool: LoadGate | None = None  # the model_pool serving it, if any (set by its serve())
         self.prefix_cache: PrefixCache | None = None  # the prefix cache serving it, if any (set by its serve())
@@ -107,8 +112,18 @@ class ModelResource(Resource):
         return [self.name, *self.config.aliases]
 
     @property
+    def ready(self) -> bool:
+        """Loaded, whatever its kind."""
+        return self.loaded is not None or self.embedding is not None
+
+    @property
+    def weight_bytes(self) -> int:
+        loaded = self.loaded or self.embedding
+        return loaded.weight_bytes if loaded is not None else 0
+
+    @property
     def state(self) -> str:
-        return "ready" if self.loaded is not None else "loading" if self._loading is not None else "unloaded"
+        return "ready" if self.ready else "loading" if self._loading is not None else "unloaded"
 
     async def start(self, device: DeviceThread) -> None:
         self._device = device
@@ -117,11 +132,11 @@ class ModelResource(Resource):
 
     async def load(self) -> None:
         """Load the model (once, however many requests ask at the same time)."""
-        if self.loaded is not None:
+        if self.ready:
             return
         if self._loading is not None:
             await self._loading.wait()
-            if self.loaded is None:
+            if not self.ready:
                 raise ApiError("internal", f"Model {self.name!r} failed to load: {self._load_error}")
             return
         assert self._device is not None, "the server starts resources before requests arrive"
@@ -143,11 +158,14 @@ class ModelResource(Resource):
         path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
         if self.kind is None:
             self.kind = await trio.to_thread.run_sync(detect_kind_of, path)
+        if self.kind == "embeddings":
+            await self._load_embedder(path, device)
+            return
         if self.kind != "text":
             raise ModelNotAvailable(
                 f"{self.name} ({self.config.path}) is a {self.kind} model; this version of flow serves text "
-                "generation models (mlx-lm) only. If the detection is wrong, set kind = \"text\" on its "
-                "[resources.*] table.")
+                "generation (mlx-lm) and embedding (mlx-embeddings) models. If the detection is wrong, set "
+                "kind = \"text\" or \"embeddings\" on its [resources.*] table.")
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
@@ -162,28 +180,59 @@ class ModelResource(Resource):
         log.info("model %s ready (%.1f s, family %s)%s", self.name, time.perf_counter() - started, self.family.name,
                  " — SMOKE-TEST MODEL: random weights, output is gibberish" if loaded.smoke_test else "")
 
-    async def ensure_loaded(self) -> LoadedModel:
-        """The loaded model, loading it first if the pool unloaded it (or it is lazy)."""
+    async def _load_embedder(self, path: Path, device: DeviceThread) -> None:
+        from runtime.embeddings import load_embedder
+
+        started = time.perf_counter()
+        self.embedding = await trio.to_thread.run_sync(load_embedder, self.name, path, device,
+                                                       self.config.embed_pass_tokens)
+        self.last_used = time.monotonic()
+        self.loads += 1
+        log.info("embedding model %s ready (%.1f s, %d dims)%s", self.name, time.perf_counter() - started,
+                 self.embedding.dims, " — SMOKE-TEST MODEL: random weights" if self.embedding.smoke_test else "")
+
+    async def ensure_embedder(self) -> LoadedEmbedder:
+        """The loaded embedding model, loading it first if needed (lazy, or unloaded by the pool)."""
+        await self._ensure()
+        assert self.embedding is not None
+        return self.embedding
+
+    async def _ensure(self) -> None:
         from runtime.models import ModelNotAvailable
 
         self.last_used = time.monotonic()
-        if self.loaded is None:
+        if not self.ready:
             try:
                 await self.load()
             except ModelNotAvailable as exc:  # a request's load: the client learns why, the server goes on
                 raise ApiError("unavailable", f"Model {self.name!r} cannot be loaded: {exc}") from None
+
+    async def ensure_loaded(self) -> LoadedModel:
+        """The loaded model, loading it first if the pool unloaded it (or it is lazy)."""
+        await self._ensure()
         assert self.loaded is not None
         return self.loaded
 
     def busy(self, grace: float) -> bool:
         """In use: sequences in its engine, or a request that touched it in the last ``grace`` seconds
         (one that is between prepare and generate)."""
+        recent = time.monotonic() - self.last_used < grace
+        if self.embedding is not None:
+            return self.embedding.embedder.has_work() or recent
         if self.loaded is None:
             return False
         engine = self.loaded.engine
-        return bool(engine.active or engine.waiting) or time.monotonic() - self.last_used < grace
+        return bool(engine.active or engine.waiting) or recent
 
     async def unload(self) -> None:
+        embedding, self.embedding = self.embedding, None
+        if embedding is not None:
+            import mlx.core as mx
+
+            embedding.embedder.close()
+            embedding.embedder.model = None
+            await embedding.embedder.device.run(mx.clear_cache)
+            log.info("embedding model %s unloaded (%.0f MiB freed)", self.name, embedding.weight_bytes / 2**20)
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
             from runtime.models import unload_model
@@ -194,6 +243,8 @@ class ModelResource(Resource):
     def close(self) -> None:
         if self.loaded is not None:
             self.loaded.engine.close()
+        if self.embedding is not None:
+            self.embedding.embedder.close()
 
     async def retire(self) -> None:
         """Replaced by a reload: free its weights and KV memory too."""

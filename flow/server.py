@@ -53,6 +53,7 @@ from flow.stage import ExitStage, Outbox
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
+from protocols.openai_embeddings import MAX_INPUTS
 from runtime.device import DeviceThread, shared_device
 
 log = logging.getLogger("flow.server")
@@ -290,10 +291,15 @@ class FlowServer:
         if configured is not None:
             return configured
         ceiling = 64 << 20
-        if not self.models or any(m.loaded is None for m in self.models):
+        if not self.models or any(not m.ready for m in self.models):
             return ceiling
-        largest = max(m.loaded.context_length for m in self.models if m.loaded is not None)
-        return max(1 << 20, min(ceiling, 4 * largest * CHARS_PER_TOKEN + (1 << 20)))
+        need = []
+        for model in self.models:
+            if model.loaded is not None:  # text: the context as text, with room for escapes and tools
+                need.append(4 * model.loaded.context_length * CHARS_PER_TOKEN)
+            elif model.embedding is not None:  # the most inputs a request may send, each as long as it may be
+                need.append(MAX_INPUTS * model.embedding.max_length * 8)
+        return max(1 << 20, min(ceiling, max(need) + (1 << 20)))
 
     # ------------------------------------------------------------------ graceful stop
     def begin_drain(self, grace: float) -> None:

@@ -300,6 +300,28 @@ class FinalResult:
 
 
 @dataclass(frozen=True)
+class EmbeddingRequest:
+    """A protocol-neutral embeddings request: texts or token-id lists, in order."""
+
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """An embeddings request's answer: one float32 little-endian vector per input, in input order."""
+
+    request: EmbeddingRequest
+    model: str  # the served model's canonical id
+    vectors: tuple[bytes, ...]
+    dims: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class WireFrame:
     """Bytes for the client. The first frame of a response carries its head."""
 

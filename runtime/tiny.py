@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-Arch = Literal["qwen3", "llama", "gemma3"]
+Arch = Literal["qwen3", "llama", "gemma3", "bert"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -74,6 +74,7 @@ class TinySpec:
     seed: int = 0
     dtype: DType = "float32"
     sliding_window: int = 512  # gemma3: the window of its sliding-window layers
+    embedding: bool = False  # qwen3: a bare Qwen3Model (no language-model head), as embedding models ship
 
     def __post_init__(self) -> None:
         if self.arch not in get_args(Arch):
@@ -99,6 +100,8 @@ class TinySpec:
         fields = asdict(self)
         if fields["sliding_window"] == 512:
             del fields["sliding_window"]  # added later: builds from before keep their keys
+        if not fields["embedding"]:
+            del fields["embedding"]
         payload = json.dumps({"builder": BUILDER_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -107,6 +110,10 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-qwen3": TinySpec(),
     "tiny-llama": TinySpec(arch="llama"),
     "tiny-gemma3": TinySpec(arch="gemma3"),
+    # Embedding models (mlx-embeddings): an encoder with a WordPiece tokenizer, and a decoder-style one.
+    "tiny-bert": TinySpec(arch="bert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=128,
+                          vocab_size=1000, max_position_embeddings=512),
+    "tiny-qwen3-embedding": TinySpec(embedding=True),
     # ~88M parameters (untied lm_head): big enough that decode speed means something.
     "bench-80m": TinySpec(
         arch="qwen3",
@@ -767,10 +774,15 @@ generates is gibberish.
 
 def _write_model_files(out: Path, spec: TinySpec) -> None:
     """Write every file of the checkpoint into the (empty) directory ``out``."""
+    if spec.arch == "bert":
+        _write_bert_files(out, spec)
+        return
     info = _ARCHS[spec.arch]
     tok = _train_tokenizer(info, spec.vocab_size)
     token_id = tok.get_vocab()
     config = _model_config(info, spec, token_id)
+    if spec.embedding:
+        config["architectures"] = [info.architecture.replace("ForCausalLM", "Model")]
     weights = _random_weights(spec, config)
 
     def dump(name: str, obj: Any) -> None:
@@ -792,6 +804,51 @@ def _write_model_files(out: Path, spec: TinySpec) -> None:
     dump("special_tokens_map.json", _special_tokens_map(info))
     n_params = sum(v.size for v in weights.values())
     (out / "README.md").write_text(_readme(spec, info, n_params), encoding="utf-8")
+
+
+_BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _write_bert_files(out: Path, spec: TinySpec) -> None:
+    """A BERT encoder as sentence-embedding checkpoints ship it: WordPiece tokenizer (lower-cased, [CLS] …
+    [SEP]), ``BertModel`` weights named as mlx-embeddings' bert module names them."""
+    from tokenizers import normalizers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(vocab_size=spec.vocab_size, special_tokens=list(_BERT_SPECIALS))
+    tok.train_from_iterator([_CORPUS, *_pseudo_text(20000)], trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    vocab = tok.get_vocab()
+    config = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": len(vocab),
+              "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+              "num_attention_heads": spec.num_heads, "intermediate_size": spec.intermediate_size,
+              "max_position_embeddings": spec.max_position_embeddings, "type_vocab_size": 2, "hidden_act": "gelu",
+              "layer_norm_eps": 1e-12, "pad_token_id": vocab["[PAD]"], "flow_smoke_test": True}
+    from mlx_embeddings.models import bert
+
+    model = bert.Model(bert.ModelArgs.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    names = sorted(params)
+    keys = mx.random.split(mx.random.key(spec.seed), len(names))
+    weights = {name: (mx.random.normal(params[name].shape, key=keys[i]) * _INIT_STD if params[name].ndim == 2
+                      else params[name]).astype(getattr(mx, spec.dtype)) for i, name in enumerate(names)}
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tok.save(str(out / "tokenizer.json"))
+    (out / "vocab.txt").write_text("".join(t + "\n" for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])))
+    for name, obj in (("config.json", config), ("tokenizer_config.json", {
+            "tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": spec.max_position_embeddings,
+            "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+            "mask_token": "[MASK]", "padding_side": "right", "clean_up_tokenization_spaces": True})):
+        (out / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(f"# {SMOKE_TEST_LABEL}\n\nA `bert` encoder with random weights (cache key "
+                                   f"`{spec.cache_key()}`): its vectors mean nothing.\n", encoding="utf-8")
 
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -36,9 +36,15 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
                                  "lifecycle": "active"}
         if model_id != model.name:
             entry["alias_of"] = model.name
-        if model.loaded is not None:
+        loaded = model.loaded or model.embedding
+        if model.kind is not None:
+            entry["kind"] = model.kind
+        if model.embedding is not None:
+            entry["max_input_tokens"], entry["dimensions"] = model.embedding.max_length, model.embedding.dims
+        elif model.loaded is not None:
             entry["max_input_tokens"] = model.loaded.context_length
-            if model.loaded.smoke_test:
+        if loaded is not None:
+            if loaded.smoke_test:
                 entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
                 entry["display_name"] = f"{model_id} (smoke-test model)"
         entries.append(entry)

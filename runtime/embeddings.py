@@ -1,0 +1,201 @@
+"""Embedding models on the device thread: loading (mlx-embeddings) and the batching embedder.
+
+Theory of operation
+-------------------
+An :class:`Embedder` is a stepper of the device thread (like a text engine).
+Requests hand it their inputs as token-id lists (:meth:`Embedder.submit`, from
+any thread) and wait on a future for their vectors. Each step builds one
+forward pass from the inputs waiting, **round-robin across requests** — one
+input from each waiting request in turn — so a request with 2,000 inputs and
+one with a single input share every pass, until the pass's padded size
+(inputs × longest input) would exceed ``pass_tokens``. A request's inputs are
+queued shortest first, so the passes it takes part in waste little padding.
+
+Inputs are padded on the right with an attention mask: BERT-style encoders
+mean-pool over the mask and decoder-style embedders take the last unmasked
+token, so an input's vector is the same alone or packed with longer ones
+(left padding would shift a decoder's positions). mlx-embeddings' models pool
+and L2-normalise inside (``text_embeds``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runtime.device import DeviceThread
+
+log = logging.getLogger("flow.embeddings")
+
+
+@dataclass
+class _Job:
+    """One request's inputs: ``order`` is the queue (indices, shortest input first), ``out`` its rows."""
+
+    inputs: list[list[int]]
+    future: concurrent.futures.Future[np.ndarray]
+    order: deque[int] = field(default_factory=deque)
+    out: np.ndarray | None = None
+    left: int = 0
+
+
+class EmbedderClosed(Exception):
+    """The model was unloaded while the request waited."""
+
+
+class Embedder:
+    """Packs waiting inputs of all requests into shared forward passes (see the module docstring)."""
+
+    def __init__(self, model: Any, device: DeviceThread, pad_id: int, dims: int, pass_tokens: int) -> None:
+        self.model = model
+        self.device = device
+        self.pad_id = pad_id
+        self.dims = dims
+        self.pass_tokens = pass_tokens
+        self._jobs: deque[_Job] = deque()  # the round-robin ring
+        self._lock = threading.Lock()
+        self.passes = 0
+        self.inputs = 0
+        self.tokens = 0
+        self.padded_tokens = 0
+        device.add_stepper(self)
+
+    def submit(self, inputs: list[list[int]]) -> concurrent.futures.Future[np.ndarray]:
+        """Queue one request's inputs (non-empty token-id lists); the future gets a (len, dims) float32 array."""
+        future: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+        job = _Job(inputs, future, deque(sorted(range(len(inputs)), key=lambda i: len(inputs[i]))),
+                   np.empty((len(inputs), self.dims), dtype=np.float32), len(inputs))
+        with self._lock:
+            self._jobs.append(job)
+        self.device.wake()
+        return future
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def _next_pass(self) -> list[tuple[_Job, int]]:
+        """Inputs for one pass: round-robin over the waiting requests, within the padded-token budget."""
+        chosen: list[tuple[_Job, int]] = []
+        longest = 0
+        with self._lock:
+            ring = [job for job in self._jobs if not job.future.cancelled()]
+            self._jobs = deque(ring)
+            while ring:
+                for job in list(ring):
+                    index = job.order[0]
+                    length = max(longest, len(job.inputs[index]))
+                    if chosen and length * (len(chosen) + 1) > self.pass_tokens:
+                        return chosen
+                    job.order.popleft()
+                    chosen.append((job, index))
+                    longest = length
+                    if not job.order:
+                        ring.remove(job)
+                        self._jobs.remove(job)
+        return chosen
+
+    def step(self) -> None:
+        import mlx.core as mx
+
+        chosen = self._next_pass()
+        if not chosen:
+            return
+        longest = max(len(job.inputs[i]) for job, i in chosen)
+        ids = np.full((len(chosen), longest), self.pad_id, dtype=np.int32)
+        mask = np.zeros((len(chosen), longest), dtype=np.int32)
+        for row, (job, i) in enumerate(chosen):
+            ids[row, : len(job.inputs[i])] = job.inputs[i]
+            mask[row, : len(job.inputs[i])] = 1
+        try:
+            output = self.model(mx.array(ids), attention_mask=mx.array(mask))
+            vectors = np.array(output.text_embeds.astype(mx.float32))
+        except Exception as exc:  # a failed pass fails its requests, not the device thread
+            log.exception("embedding pass failed")
+            for job, _ in chosen:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        self.passes += 1
+        self.inputs += len(chosen)
+        self.tokens += int(mask.sum())
+        self.padded_tokens += ids.size
+        for row, (job, i) in enumerate(chosen):
+            if job.future.done() or job.out is None:
+                continue
+            job.out[i] = vectors[row]
+            job.left -= 1
+            if job.left == 0:
+                job.future.set_result(job.out)
+
+    def close(self) -> None:
+        self.device.remove_stepper(self)
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), deque()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(EmbedderClosed("the embedding model was unloaded"))
+
+    def stats_json(self) -> dict[str, Any]:
+        return {"passes": self.passes, "inputs": self.inputs, "tokens": self.tokens,
+                "padding": round(1 - self.tokens / self.padded_tokens, 3) if self.padded_tokens else 0.0,
+                "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens}
+
+
+@dataclass
+class LoadedEmbedder:
+    """An embedding model loaded on the device thread, with its tokenizer and embedder."""
+
+    name: str
+    path: Path
+    tokenizer: Any  # a transformers tokenizer (mlx-embeddings' wrapper unwrapped)
+    embedder: Embedder
+    dims: int
+    max_length: int  # tokens per input, special tokens included
+    vocab_size: int
+    weight_bytes: int
+    smoke_test: bool
+
+
+def _max_length(path: Path, config: dict[str, Any], tokenizer: Any) -> int:
+    """What the model was trained to read: sentence-transformers' max_seq_length, else the smaller of the
+    position embeddings and the tokenizer's model_max_length (when that is a real number)."""
+    try:
+        return int(json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    limits = [int(config.get("max_position_embeddings") or 512)]
+    declared = getattr(tokenizer, "model_max_length", None)
+    if isinstance(declared, int) and 0 < declared < 1_000_000:
+        limits.append(declared)
+    return min(limits)
+
+
+def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int) -> LoadedEmbedder:
+    """Load an mlx-embeddings model and its tokenizer on the device thread (blocking the caller)."""
+
+    def _load() -> tuple[Any, Any, int, int]:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_embeddings.utils import load
+
+        model, wrapper = load(str(path))
+        tokenizer = getattr(wrapper, "_tokenizer", wrapper)
+        probe = model(mx.array([[tokenizer.pad_token_id or 0]]), attention_mask=mx.array([[1]]))
+        leaves: Any = tree_flatten(model.parameters())
+        return model, tokenizer, int(probe.text_embeds.shape[-1]), sum(v.nbytes for _, v in leaves)
+
+    model, tokenizer, dims, weight_bytes = device.call(_load)
+    config = json.loads((path / "config.json").read_text())
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    embedder = Embedder(model, device, int(pad_id), dims, pass_tokens)
+    log.info("embedding model %s loaded (%d dims)", name, dims)
+    return LoadedEmbedder(name, path, tokenizer, embedder, dims, _max_length(path, config, tokenizer),
+                          len(tokenizer), weight_bytes, bool(config.get("flow_smoke_test")))

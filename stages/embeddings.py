@@ -1,0 +1,126 @@
+"""The embeddings path: ``openai.embeddings.decode`` → ``embed`` → ``openai.embeddings.format``.
+
+``embed`` tokenizes each input with the model's own tokenizer (special tokens as the model was trained
+with; token-id inputs get the same special tokens around them, so they embed like the text they encode),
+checks lengths and token ids, and hands the inputs to the model's embedder on the device thread, where
+inputs of concurrent requests share forward passes (:mod:`runtime.embeddings`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import trio
+from pydantic import Field
+
+from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
+from flow.stage import EntryStage, ExitStage, Outbox, Stage, StageConfig
+from protocols import openai_chat, openai_embeddings
+from protocols.errors import ApiError
+from protocols.ir import EmbeddingRequest, Embeddings, HttpRequest, WireFrame
+from runtime.device import wait_future
+from stages.protocol import json_frame
+
+if TYPE_CHECKING:
+    from runtime.embeddings import LoadedEmbedder
+
+
+class EmbeddingsDecode(EntryStage[HttpRequest, EmbeddingRequest]):
+    type_name: ClassVar[str] = "openai.embeddings.decode"
+    input_type: ClassVar[Any] = HttpRequest
+    output_type: ClassVar[Any] = EmbeddingRequest
+    description = "validates an OpenAI embeddings body (text, texts, token ids) into an embeddings request"
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[EmbeddingRequest]) -> None:
+        async for http in inbox:
+            await outbox.send(openai_embeddings.decode_embeddings_request(http.body, http.request_id))
+
+
+class EmbedConfig(StageConfig):
+    models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
+    truncate: bool = Field(default=False, description="cut inputs longer than the model reads, instead of a 400")
+
+
+class Embed(Stage[EmbeddingRequest, Embeddings]):
+    type_name: ClassVar[str] = "embed"
+    input_type: ClassVar[Any] = EmbeddingRequest
+    output_type: ClassVar[Any] = Embeddings
+    description = "embeds each input with an embedding model; concurrent requests share forward passes"
+    Config = EmbedConfig
+    references = MODEL_REFERENCES
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet(self.links.many("models", ModelResource))
+        self.truncate = bool(getattr(self.config, "truncate", False))
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[EmbeddingRequest], outbox: Outbox[Embeddings]) -> None:
+        async for request in inbox:
+            resource = self.models.lookup(request.model, kind="embeddings")
+            loaded = await resource.ensure_embedder()
+            if request.dimensions is not None and request.dimensions != loaded.dims:
+                raise ApiError("invalid_request", f"The model {resource.name!r} gives {loaded.dims}-dimension "
+                               f"vectors and cannot shorten them; send dimensions = {loaded.dims} or leave it out.",
+                               param="dimensions")
+            ids = await trio.to_thread.run_sync(self.tokenize, loaded, request)  # tokenizing long texts: off-loop
+            future = loaded.embedder.submit(ids)
+            try:
+                vectors = await wait_future(future)
+            except trio.Cancelled:
+                future.cancel()  # the client left: its inputs leave the queue
+                raise
+            rows = tuple(np.ascontiguousarray(v, dtype="<f4").tobytes() for v in vectors)
+            await outbox.send(Embeddings(request, resource.name, rows, loaded.dims, sum(len(i) for i in ids)))
+
+    def tokenize(self, loaded: LoadedEmbedder, request: EmbeddingRequest) -> list[list[int]]:
+        """Every input as the token ids the model reads, special tokens included; 400 for out-of-vocabulary
+        ids and (unless ``truncate``) inputs longer than the model's maximum."""
+        tokenizer, limit = loaded.tokenizer, loaded.max_length
+        texts = [(i, item) for i, item in enumerate(request.inputs) if isinstance(item, str)]
+        out: list[list[int]] = [[] for _ in request.inputs]
+        if texts:
+            encoded = tokenizer([text for _, text in texts], add_special_tokens=True,
+                                truncation=self.truncate, max_length=limit if self.truncate else None)["input_ids"]
+            for (i, _), ids in zip(texts, encoded):
+                out[i] = list(ids)
+        head, tail = _special_tokens(tokenizer)
+        specials = len(head) + len(tail)
+        for i, item in enumerate(request.inputs):
+            if isinstance(item, str):
+                continue
+            bad = next((t for t in item if not 0 <= t < loaded.vocab_size), None)
+            if bad is not None:
+                raise ApiError("invalid_request", f"'input[{i}]' has token id {bad}, outside this model's vocabulary "
+                               f"(0 to {loaded.vocab_size - 1}).", param=f"input[{i}]")
+            body = list(item)[: limit - specials] if self.truncate else list(item)
+            out[i] = [*head, *body, *tail]
+        for i, ids in enumerate(out):
+            if len(ids) > limit:
+                raise ApiError("invalid_request", f"'input[{i}]' is {len(ids)} tokens long; this model reads at "
+                               f"most {limit} (the embed stage's truncate = true cuts longer inputs instead).",
+                               param=f"input[{i}]", code="context_length_exceeded")
+        return out
+
+
+def _special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer puts before and after a text ([CLS] … [SEP] for BERT; none, or an end
+    token, for decoder-style embedders), found by tokenizing a probe text with and without them."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
+
+
+class EmbeddingsFormat(ExitStage[Embeddings, WireFrame]):
+    type_name: ClassVar[str] = "openai.embeddings.format"
+    input_type: ClassVar[Any] = Embeddings
+    output_type: ClassVar[Any] = WireFrame
+    description = "answers an OpenAI embeddings list (float arrays or base64 float32)"
+    codec = openai_chat.ChatCodec  # OpenAI's error shape
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[Embeddings], outbox: Outbox[WireFrame]) -> None:
+        async for result in inbox:
+            await outbox.send(json_frame(openai_embeddings.encode_embeddings(result)))

@@ -1,0 +1,161 @@
+"""``POST /v1/embeddings`` through the real server, real mlx-embeddings and the official OpenAI SDK, on tiny
+random-weight embedding models of two architectures (a BERT encoder, a decoder-style Qwen3)."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from flow.compiler import compile_tables
+from runtime.tiny import ensure_tiny_model
+from tests.harness import RunningServer, running_server, tables_with_model
+
+TEXTS = ["hello world", "the river runs to the sea under a grey sky, slowly and without end", "a"]
+
+
+@pytest.fixture(scope="module")
+def embedders() -> dict[str, Path]:
+    return {"bert": ensure_tiny_model("tiny-bert"), "qwen3": ensure_tiny_model("tiny-qwen3-embedding")}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3: Path, embedders: dict[str, Path]) -> Iterator[RunningServer]:
+    tables = tables_with_model(tiny_qwen3)
+    for name, path in embedders.items():
+        tables["resources"][name] = {"type": "model", "path": str(path), "name": name}
+    with running_server(compile_tables(tables, "embeddings test")) as running:
+        yield running
+
+
+def direct(path: Path, texts: list[str]) -> np.ndarray:
+    """mlx-embeddings called directly, one text at a time (no padding): what the server must match."""
+    import mlx.core as mx
+    from mlx_embeddings.utils import load
+
+    model, wrapper = load(str(path))
+    rows = []
+    for text in texts:
+        ids = wrapper._tokenizer(text)["input_ids"]
+        rows.append(np.array(model(mx.array([ids]), attention_mask=mx.array([[1] * len(ids)])).text_embeds[0]))
+    return np.stack(rows)
+
+
+def embed(server: RunningServer, **body: Any) -> httpx.Response:
+    return httpx.post(server.url + "/embeddings", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["bert", "qwen3"])
+def test_vectors_equal_a_direct_call_alone_and_packed(server: RunningServer, embedders: dict[str, Path],
+                                                      name: str) -> None:
+    expected = server.server.device.call(lambda: direct(embedders[name], TEXTS))
+    packed = embed(server, model=name, input=TEXTS).json()
+    assert [d["index"] for d in packed["data"]] == [0, 1, 2] and packed["model"] == name
+    got = np.array([d["embedding"] for d in packed["data"]], dtype=np.float32)
+    assert np.abs(got - expected).max() < 1e-5
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    for i, text in enumerate(TEXTS):  # alone: the same vector
+        alone = embed(server, model=name, input=text).json()["data"][0]["embedding"]
+        assert np.abs(np.array(alone) - expected[i]).max() < 1e-5
+    tokens = [len(server.server.models[[m.name for m in server.server.models].index(name)].embedding.tokenizer(t)[
+        "input_ids"]) for t in TEXTS]
+    assert packed["usage"] == {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
+
+
+def test_concurrent_requests_share_passes_and_get_their_own_vectors(server: RunningServer,
+                                                                    embedders: dict[str, Path]) -> None:
+    expected = server.server.device.call(lambda: direct(embedders["bert"], TEXTS))
+    embedder = next(m for m in server.server.models if m.name == "bert").embedding
+    assert embedder is not None
+    passes_before, inputs_before = embedder.embedder.passes, embedder.embedder.inputs
+    results: dict[int, Any] = {}
+
+    def one(i: int) -> None:
+        results[i] = embed(server, model="bert", input=[TEXTS[i % 3]] * (1 + i % 4)).json()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for i, body in results.items():
+        got = np.array([d["embedding"] for d in body["data"]])
+        assert len(got) == 1 + i % 4 and np.abs(got - expected[i % 3]).max() < 1e-5
+    inputs = sum(1 + i % 4 for i in range(16))
+    assert embedder.embedder.inputs - inputs_before == inputs
+    assert embedder.embedder.passes - passes_before < 16  # requests shared forward passes
+
+
+def test_the_openai_sdk_base64_token_ids(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.url, api_key="none")
+    floats = client.embeddings.create(model="bert", input=TEXTS, encoding_format="float")
+    default = client.embeddings.create(model="bert", input=TEXTS)  # the SDK asks for base64 and decodes it
+    assert np.allclose([d.embedding for d in floats.data], [d.embedding for d in default.data], atol=0)
+    raw = embed(server, model="bert", input="hello world", encoding_format="base64").json()["data"][0]["embedding"]
+    assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), floats.data[0].embedding, atol=0)
+    tokenizer = next(m for m in server.server.models if m.name == "bert").embedding.tokenizer  # type: ignore[union-attr]
+    ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
+    by_ids = embed(server, model="bert", input=ids).json()["data"][0]["embedding"]
+    assert np.abs(np.array(by_ids) - np.array(floats.data[0].embedding)).max() < 1e-6
+    both = embed(server, model="bert", input=[ids, ids[:1]]).json()["data"]
+    assert len(both) == 2 and np.abs(np.array(both[0]["embedding"]) - np.array(by_ids)).max() < 1e-6
+
+
+def error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body: dict[str, Any] = response.json()["error"]
+    return body
+
+
+def test_errors(server: RunningServer) -> None:
+    wrong_kind = error(embed(server, model="tiny", input="hi"))
+    assert wrong_kind["code"] == "wrong_model_kind"
+    assert wrong_kind["message"].endswith("Models that can: bert, qwen3.")
+    chat = httpx.post(server.url + "/chat/completions", timeout=30, json={
+        "model": "bert", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert "is an embeddings model" in error(chat)["message"]
+    assert error(embed(server, model="bert", input=[]))["param"] == "input"
+    assert error(embed(server, model="bert", input=["ok", ""]))["param"] == "input[1]"
+    assert error(embed(server, model="bert", input=[[1, 2], [10**6]]))["message"].startswith(
+        "'input[1]' has token id 1000000, outside this model's vocabulary")
+    assert error(embed(server, model="bert", input="hi", dimensions=8))["message"].endswith(
+        "send dimensions = 32 or leave it out.")
+    assert embed(server, model="bert", input="hi", dimensions=32).status_code == 200
+    assert error(embed(server, model="bert", input="hi", encoding_format="int8"))["param"] == "encoding_format"
+    assert error(embed(server, model="nope", input="hi"), 404)["code"] == "model_not_found"
+    too_long = " ".join(["river"] * 600)
+    long_error = error(embed(server, model="bert", input=["short", too_long]))
+    assert long_error["param"] == "input[1]" and "reads at most 512" in long_error["message"]
+    assert error(embed(server, model="bert", input=["x"] * 2049))["message"].startswith("'input' has 2049 items")
+
+
+def test_health_and_models_show_the_kind(server: RunningServer) -> None:
+    health = {m["id"]: m for m in server.health()["models"]}
+    assert health["bert"]["kind"] == "embeddings" and health["bert"]["dimensions"] == 32
+    assert health["qwen3"]["dimensions"] == 64 and health["tiny"]["kind"] == "text"
+    listing = {m["id"]: m for m in httpx.get(server.url + "/models", timeout=10).json()["data"]}
+    assert listing["bert"]["kind"] == "embeddings" and listing["bert"]["max_input_tokens"] == 512
+
+
+def test_truncate_cuts_long_inputs_instead(tiny_qwen3: Path, embedders: dict[str, Path]) -> None:
+    tables = tables_with_model(tiny_qwen3)
+    tables["resources"]["bert"] = {"type": "model", "path": str(embedders["bert"]), "name": "bert"}
+    tables["stages"]["embed"]["truncate"] = True
+    long_text = " ".join(["river"] * 600)
+    with running_server(compile_tables(tables, "truncating")) as running:
+        tokenizer = next(m for m in running.server.models if m.name == "bert").embedding.tokenizer  # type: ignore[union-attr]
+        cut = tokenizer.decode(tokenizer(long_text, truncation=True, max_length=512)["input_ids"],
+                               skip_special_tokens=True)
+        got = embed(running, model="bert", input=[long_text, cut]).json()
+        first, second = (np.array(d["embedding"]) for d in got["data"])
+        assert np.abs(first - second).max() < 1e-5 and got["usage"]["prompt_tokens"] == 1024
+        ids = tokenizer(long_text, add_special_tokens=False)["input_ids"]
+        by_ids = embed(running, model="bert", input=ids).json()["data"][0]["embedding"]
+        assert np.abs(np.array(by_ids) - first).max() < 1e-5
