@@ -26,6 +26,7 @@ from stages.anthropic import (
 from stages.chat import ChatPrepare, ChatProcess
 from stages.echo import EchoGenerate
 from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
+from stages.rerank import Rerank, RerankDecode, RerankFormat
 from stages.generate import Generate
 from stages.models import ModelsList
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
@@ -39,7 +40,7 @@ STAGES = (
     AnthropicMessagesDecode, AnthropicMessagesFormat, AnthropicCountTokensDecode, AnthropicCountTokensFormat,
     AgentsManage, AgentsGenerateDecode, AgentsGenerateFormat,
     ModelsList,
-    EmbeddingsDecode, Embed, EmbeddingsFormat,
+    EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
 )
 RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)

@@ -322,6 +322,29 @@ class Embeddings:
 
 
 @dataclass(frozen=True)
+class RerankRequest:
+    """A query and the documents to order by relevance to it."""
+
+    model: str
+    query: str
+    documents: tuple[str, ...]
+    top_n: int | None = None
+    return_documents: bool = True
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A rerank request's answer: one relevance score per document (input order), and how they were scored."""
+
+    request: RerankRequest
+    model: str
+    scores: tuple[float, ...]
+    scoring: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
 class WireFrame:
     """Bytes for the client. The first frame of a response carries its head."""
 

@@ -8,6 +8,7 @@ inputs of concurrent requests share forward passes (:mod:`runtime.embeddings`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -63,44 +64,52 @@ class Embed(Stage[EmbeddingRequest, Embeddings]):
                 raise ApiError("invalid_request", f"The model {resource.name!r} gives {loaded.dims}-dimension "
                                f"vectors and cannot shorten them; send dimensions = {loaded.dims} or leave it out.",
                                param="dimensions")
-            ids = await trio.to_thread.run_sync(self.tokenize, loaded, request)  # tokenizing long texts: off-loop
-            future = loaded.embedder.submit(ids)
-            try:
-                vectors = await wait_future(future)
-            except trio.Cancelled:
-                future.cancel()  # the client left: its inputs leave the queue
-                raise
+            ids = await trio.to_thread.run_sync(tokenize, loaded, request.inputs, self.truncate)
+            vectors = await embed_ids(loaded, ids)
             rows = tuple(np.ascontiguousarray(v, dtype="<f4").tobytes() for v in vectors)
             await outbox.send(Embeddings(request, resource.name, rows, loaded.dims, sum(len(i) for i in ids)))
 
-    def tokenize(self, loaded: LoadedEmbedder, request: EmbeddingRequest) -> list[list[int]]:
-        """Every input as the token ids the model reads, special tokens included; 400 for out-of-vocabulary
-        ids and (unless ``truncate``) inputs longer than the model's maximum."""
-        tokenizer, limit = loaded.tokenizer, loaded.max_length
-        texts = [(i, item) for i, item in enumerate(request.inputs) if isinstance(item, str)]
-        out: list[list[int]] = [[] for _ in request.inputs]
-        if texts:
-            encoded = tokenizer([text for _, text in texts], add_special_tokens=True,
-                                truncation=self.truncate, max_length=limit if self.truncate else None)["input_ids"]
-            for (i, _), ids in zip(texts, encoded):
-                out[i] = list(ids)
-        head, tail = _special_tokens(tokenizer)
-        specials = len(head) + len(tail)
-        for i, item in enumerate(request.inputs):
-            if isinstance(item, str):
-                continue
-            bad = next((t for t in item if not 0 <= t < loaded.vocab_size), None)
-            if bad is not None:
-                raise ApiError("invalid_request", f"'input[{i}]' has token id {bad}, outside this model's vocabulary "
-                               f"(0 to {loaded.vocab_size - 1}).", param=f"input[{i}]")
-            body = list(item)[: limit - specials] if self.truncate else list(item)
-            out[i] = [*head, *body, *tail]
-        for i, ids in enumerate(out):
-            if len(ids) > limit:
-                raise ApiError("invalid_request", f"'input[{i}]' is {len(ids)} tokens long; this model reads at "
-                               f"most {limit} (the embed stage's truncate = true cuts longer inputs instead).",
-                               param=f"input[{i}]", code="context_length_exceeded")
-        return out
+
+def tokenize(loaded: LoadedEmbedder, inputs: Sequence[str | tuple[int, ...]], truncate: bool,
+             label: str = "input[{}]") -> list[list[int]]:
+    """Every input as the token ids the model reads, special tokens included (tokenizing long texts: run it on
+    a worker thread); 400 for out-of-vocabulary ids and (unless ``truncate``) inputs longer than the model's
+    maximum, naming input ``i`` as ``label.format(i)``."""
+    tokenizer, limit = loaded.tokenizer, loaded.max_length
+    texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
+    out: list[list[int]] = [[] for _ in inputs]
+    if texts:
+        encoded = tokenizer([text for _, text in texts], add_special_tokens=True,
+                            truncation=truncate, max_length=limit if truncate else None)["input_ids"]
+        for (i, _), ids in zip(texts, encoded):
+            out[i] = list(ids)
+    head, tail = _special_tokens(tokenizer)
+    specials = len(head) + len(tail)
+    for i, item in enumerate(inputs):
+        if isinstance(item, str):
+            continue
+        bad = next((t for t in item if not 0 <= t < loaded.vocab_size), None)
+        if bad is not None:
+            raise ApiError("invalid_request", f"'{label.format(i)}' has token id {bad}, outside this model's "
+                           f"vocabulary (0 to {loaded.vocab_size - 1}).", param=label.format(i))
+        body = list(item)[: limit - specials] if truncate else list(item)
+        out[i] = [*head, *body, *tail]
+    for i, ids in enumerate(out):
+        if len(ids) > limit:
+            raise ApiError("invalid_request", f"'{label.format(i)}' is {len(ids)} tokens long; this model reads "
+                           f"at most {limit} (the stage's truncate = true cuts longer inputs instead).",
+                           param=label.format(i), code="context_length_exceeded")
+    return out
+
+
+async def embed_ids(loaded: LoadedEmbedder, ids: list[list[int]]) -> np.ndarray:
+    """The inputs' vectors, computed on the device thread in passes shared with other requests."""
+    future = loaded.embedder.submit(ids)
+    try:
+        return await wait_future(future)
+    except trio.Cancelled:
+        future.cancel()  # the client left: its inputs leave the queue
+        raise
 
 
 def _special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:

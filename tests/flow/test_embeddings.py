@@ -159,3 +159,31 @@ def test_truncate_cuts_long_inputs_instead(tiny_qwen3: Path, embedders: dict[str
         ids = tokenizer(long_text, add_special_tokens=False)["input_ids"]
         by_ids = embed(running, model="bert", input=ids).json()["data"][0]["embedding"]
         assert np.abs(np.array(by_ids) - first).max() < 1e-5
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+def test_rerank_scores_are_the_embedding_cosines(server: RunningServer, embedders: dict[str, Path], path: str) -> None:
+    query, documents = "where do rivers go", ["to the sea", "a recipe for bread", "rivers run to the sea"]
+    vectors = server.server.device.call(lambda: direct(embedders["bert"], [query, *documents]))
+    expected = vectors[1:] @ vectors[0]
+    body = {"model": "bert", "query": query, "documents": [documents[0], {"text": documents[1]}, documents[2]]}
+    answer = httpx.post(server.base_url + path, json=body, timeout=60).json()
+    results = answer["results"]
+    assert [r["index"] for r in results] == list(np.argsort(-expected, kind="stable"))
+    assert np.allclose([r["relevance_score"] for r in results], np.sort(expected)[::-1], atol=1e-5)
+    assert [r["document"]["text"] for r in results] == [documents[r["index"]] for r in results]
+    assert answer["meta"]["scoring"].startswith("cosine similarity") and answer["usage"]["total_tokens"] > 0
+    top = httpx.post(server.base_url + path, json={**body, "top_n": 1, "return_documents": False}, timeout=60).json()
+    assert top["results"] == [{"index": results[0]["index"], "relevance_score": results[0]["relevance_score"]}]
+
+
+def test_rerank_errors(server: RunningServer) -> None:
+    def rerank(**body: Any) -> httpx.Response:
+        return httpx.post(server.base_url + "/v1/rerank", json=body, timeout=30)
+
+    assert error(rerank(model="bert", query="q", documents=[]))["param"] == "documents"
+    assert error(rerank(model="bert", query="q", documents=["a", ""]))["param"] == "documents[1]"
+    assert error(rerank(model="bert", query="q", documents=["a"], top_n=0))["param"] == "top_n"
+    assert error(rerank(model="tiny", query="q", documents=["a"]))["code"] == "wrong_model_kind"
+    long_query = error(rerank(model="bert", query=" ".join(["river"] * 600), documents=["a"]))
+    assert long_query["param"] == "query" and "reads at most 512" in long_query["message"]
