@@ -21,14 +21,12 @@ import argparse
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
