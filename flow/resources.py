@@ -68,6 +68,10 @@ class ModelConfig(ResourceConfig):
     embed_pass_tokens: int = Field(
         default=8192, ge=64, description="embedding models: padded tokens per forward pass (inputs of concurrent "
                                          "requests share passes up to this)")
+    embed_pass_seconds: float = Field(
+        default=0.1, gt=0, description="embedding models: a pass holds no more padded tokens than the device "
+                                       "computes in this time (measured), so a small request behind a large job "
+                                       "waits for a short pass")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
@@ -185,7 +189,7 @@ class ModelResource(Resource):
 
         started = time.perf_counter()
         self.embedding = await trio.to_thread.run_sync(load_embedder, self.name, path, device,
-                                                       self.config.embed_pass_tokens)
+                                                       self.config.embed_pass_tokens, self.config.embed_pass_seconds)
         self.last_used = time.monotonic()
         self.loads += 1
         log.info("embedding model %s ready (%.1f s, %d dims)%s", self.name, time.perf_counter() - started,

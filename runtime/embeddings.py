@@ -8,8 +8,12 @@ any thread) and wait on a future for their vectors. Each step builds one
 forward pass from the inputs waiting, **round-robin across requests** — one
 input from each waiting request in turn — so a request with 2,000 inputs and
 one with a single input share every pass, until the pass's padded size
-(inputs × longest input) would exceed ``pass_tokens``. A request's inputs are
-queued shortest first, so the passes it takes part in waste little padding.
+(inputs × longest input) would exceed its budget. When everything waiting fits
+in ``pass_tokens`` it all goes in one pass; when it does not (a large job), a
+pass holds as many padded tokens as the device computes in ``pass_seconds``
+(measured on the passes so far), so that a request arriving behind the large
+job waits for one short pass, not for a long one. A request's inputs are queued shortest
+first, so the passes it takes part in waste little padding.
 
 Inputs are padded on the right with an attention mask: BERT-style encoders
 mean-pool over the mask and decoder-style embedders take the last unmasked
@@ -54,12 +58,15 @@ class EmbedderClosed(Exception):
 class Embedder:
     """Packs waiting inputs of all requests into shared forward passes (see the module docstring)."""
 
-    def __init__(self, model: Any, device: DeviceThread, pad_id: int, dims: int, pass_tokens: int) -> None:
+    def __init__(self, model: Any, device: DeviceThread, pad_id: int, dims: int, pass_tokens: int,
+                 pass_seconds: float = 0.1) -> None:
         self.model = model
         self.device = device
         self.pad_id = pad_id
         self.dims = dims
         self.pass_tokens = pass_tokens
+        self.pass_seconds = pass_seconds
+        self._seconds_per_token: float | None = None  # measured: a moving average over passes
         self._jobs: deque[_Job] = deque()  # the round-robin ring
         self._lock = threading.Lock()
         self.passes = 0
@@ -88,11 +95,16 @@ class Embedder:
         with self._lock:
             ring = [job for job in self._jobs if not job.future.cancelled()]
             self._jobs = deque(ring)
+            # Everything waiting fits in one full pass: take it all (nobody is left to wait behind it).
+            # Otherwise a pass lasts about pass_seconds, so that newcomers wait for a short one.
+            waiting = [len(job.inputs[i]) for job in ring for i in job.order]
+            whole = bool(waiting) and max(waiting) * len(waiting) <= self.pass_tokens
+            budget = self.pass_tokens if whole else self.budget()
             while ring:
                 for job in list(ring):
                     index = job.order[0]
                     length = max(longest, len(job.inputs[index]))
-                    if chosen and length * (len(chosen) + 1) > self.pass_tokens:
+                    if chosen and length * (len(chosen) + 1) > budget:
                         return chosen
                     job.order.popleft()
                     chosen.append((job, index))
@@ -102,7 +114,15 @@ class Embedder:
                         self._jobs.remove(job)
         return chosen
 
+    def budget(self) -> int:
+        """Padded tokens for the next pass: ``pass_tokens``, or what the device computes in ``pass_seconds``."""
+        if self._seconds_per_token is None:
+            return self.pass_tokens
+        return max(1, min(self.pass_tokens, int(self.pass_seconds / self._seconds_per_token)))
+
     def step(self) -> None:
+        import time
+
         import mlx.core as mx
 
         chosen = self._next_pass()
@@ -114,6 +134,7 @@ class Embedder:
         for row, (job, i) in enumerate(chosen):
             ids[row, : len(job.inputs[i])] = job.inputs[i]
             mask[row, : len(job.inputs[i])] = 1
+        started = time.perf_counter()
         try:
             output = self.model(mx.array(ids), attention_mask=mx.array(mask))
             vectors = np.array(output.text_embeds.astype(mx.float32))
@@ -123,6 +144,9 @@ class Embedder:
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
+        per_token = (time.perf_counter() - started) / ids.size
+        self._seconds_per_token = (per_token if self._seconds_per_token is None
+                                   else 0.8 * self._seconds_per_token + 0.2 * per_token)
         self.passes += 1
         self.inputs += len(chosen)
         self.tokens += int(mask.sum())
@@ -146,7 +170,7 @@ class Embedder:
     def stats_json(self) -> dict[str, Any]:
         return {"passes": self.passes, "inputs": self.inputs, "tokens": self.tokens,
                 "padding": round(1 - self.tokens / self.padded_tokens, 3) if self.padded_tokens else 0.0,
-                "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens}
+                "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens, "pass_budget": self.budget()}
 
 
 @dataclass
@@ -178,7 +202,8 @@ def _max_length(path: Path, config: dict[str, Any], tokenizer: Any) -> int:
     return min(limits)
 
 
-def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int) -> LoadedEmbedder:
+def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int,
+                  pass_seconds: float = 0.1) -> LoadedEmbedder:
     """Load an mlx-embeddings model and its tokenizer on the device thread (blocking the caller)."""
 
     def _load() -> tuple[Any, Any, int, int]:
@@ -195,7 +220,7 @@ def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int)
     model, tokenizer, dims, weight_bytes = device.call(_load)
     config = json.loads((path / "config.json").read_text())
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    embedder = Embedder(model, device, int(pad_id), dims, pass_tokens)
+    embedder = Embedder(model, device, int(pad_id), dims, pass_tokens, pass_seconds)
     log.info("embedding model %s loaded (%d dims)", name, dims)
     return LoadedEmbedder(name, path, tokenizer, embedder, dims, _max_length(path, config, tokenizer),
                           len(tokenizer), weight_bytes, bool(config.get("flow_smoke_test")))
