@@ -9,7 +9,7 @@ inputs of concurrent requests share forward passes (:mod:`runtime.embeddings`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 import trio
@@ -25,6 +25,9 @@ from stages.protocol import json_frame
 
 if TYPE_CHECKING:
     from runtime.embeddings import LoadedEmbedder
+
+In = TypeVar("In")
+Out = TypeVar("Out")
 
 
 class EmbeddingsDecode(EntryStage[HttpRequest, EmbeddingRequest]):
@@ -43,11 +46,9 @@ class EmbedConfig(StageConfig):
     truncate: bool = Field(default=False, description="cut inputs longer than the model reads, instead of a 400")
 
 
-class Embed(Stage[EmbeddingRequest, Embeddings]):
-    type_name: ClassVar[str] = "embed"
-    input_type: ClassVar[Any] = EmbeddingRequest
-    output_type: ClassVar[Any] = Embeddings
-    description = "embeds each input with an embedding model; concurrent requests share forward passes"
+class EmbeddingModelStage(Stage[In, Out]):
+    """A stage that computes with one of its embedding models (``embed``, ``rerank``)."""
+
     Config = EmbedConfig
     references = MODEL_REFERENCES
 
@@ -56,10 +57,21 @@ class Embed(Stage[EmbeddingRequest, Embeddings]):
         self.models = ModelSet(self.links.many("models", ModelResource))
         self.truncate = bool(getattr(self.config, "truncate", False))
 
+    async def embedder(self, model: str) -> tuple[ModelResource, LoadedEmbedder]:
+        """The embedding model a request names, loaded (400 if it names a model of another kind)."""
+        resource = self.models.lookup(model, kind="embeddings")
+        return resource, await resource.ensure_embedder()
+
+
+class Embed(EmbeddingModelStage[EmbeddingRequest, Embeddings]):
+    type_name: ClassVar[str] = "embed"
+    input_type: ClassVar[Any] = EmbeddingRequest
+    output_type: ClassVar[Any] = Embeddings
+    description = "embeds each input with an embedding model; concurrent requests share forward passes"
+
     async def run(self, inbox: trio.MemoryReceiveChannel[EmbeddingRequest], outbox: Outbox[Embeddings]) -> None:
         async for request in inbox:
-            resource = self.models.lookup(request.model, kind="embeddings")
-            loaded = await resource.ensure_embedder()
+            resource, loaded = await self.embedder(request.model)
             if request.dimensions is not None and request.dimensions != loaded.dims:
                 raise ApiError("invalid_request", f"The model {resource.name!r} gives {loaded.dims}-dimension "
                                f"vectors and cannot shorten them; send dimensions = {loaded.dims} or leave it out.",

@@ -14,11 +14,10 @@ from typing import Any, ClassVar
 import numpy as np
 import trio
 
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import EntryStage, ExitStage, Outbox, Stage
+from flow.stage import EntryStage, ExitStage, Outbox
 from protocols import openai_chat, rerank
 from protocols.ir import HttpRequest, Ranking, RerankRequest, WireFrame
-from stages.embeddings import EmbedConfig, embed_ids, tokenize
+from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize
 from stages.protocol import json_frame
 
 SCORING = "cosine similarity of the query's and the document's embeddings"
@@ -35,23 +34,15 @@ class RerankDecode(EntryStage[HttpRequest, RerankRequest]):
             await outbox.send(rerank.decode_rerank_request(http.body, http.request_id))
 
 
-class Rerank(Stage[RerankRequest, Ranking]):
+class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
     type_name: ClassVar[str] = "rerank"
     input_type: ClassVar[Any] = RerankRequest
     output_type: ClassVar[Any] = Ranking
     description = "scores documents against a query by embedding cosine similarity (an embedding model)"
-    Config = EmbedConfig
-    references = MODEL_REFERENCES
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
-        self.truncate = bool(getattr(self.config, "truncate", False))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[RerankRequest], outbox: Outbox[Ranking]) -> None:
         async for request in inbox:
-            resource = self.models.lookup(request.model, kind="embeddings")
-            loaded = await resource.ensure_embedder()
+            resource, loaded = await self.embedder(request.model)
             query = await trio.to_thread.run_sync(tokenize, loaded, (request.query,), self.truncate, "query")
             documents = await trio.to_thread.run_sync(tokenize, loaded, request.documents, self.truncate,
                                                       "documents[{}]")
