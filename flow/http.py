@@ -73,14 +73,14 @@ def _json(obj: Any, status: int = 200) -> Response:
 def create_app(server: FlowServer) -> QuartTrio:
     app = QuartTrio("flow")
     app.asgi_app = _EndRunsWithRequest(app.asgi_app)  # type: ignore[method-assign]
-    spec = server.graph.spec.server
-    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=spec.body_timeout_seconds,
-                      MAX_CONTENT_LENGTH=server.body_limit())
+    app.config.update(RESPONSE_TIMEOUT=None)
 
     def refresh_limits() -> None:
-        """A reload may change the body limit and timeout: later requests read them from the app's config."""
+        """The graph's body limit and timeout; again after each reload (later requests read the app's config)."""
         app.config.update(BODY_TIMEOUT=server.graph.spec.server.body_timeout_seconds,
                           MAX_CONTENT_LENGTH=server.body_limit())
+
+    refresh_limits()
 
     @app.before_request
     async def _guard() -> Response | None:
@@ -176,10 +176,6 @@ def create_app(server: FlowServer) -> QuartTrio:
         if not has_request_context():
             return Response(b"", status=500)
         return server.error_response(request.path, error, close=True)
-
-    @app.before_serving
-    async def _limits() -> None:
-        refresh_limits()
 
     server.on_reload = refresh_limits
     return app

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +146,8 @@ class Generation:
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at))}
 
 
-def _links(refs: Any, resources: dict[str, Resource], served_by: tuple[str, ...] = ()) -> Links:
+def _links(refs: Mapping[str, tuple[str, ...]], resources: dict[str, Resource],
+           served_by: tuple[str, ...] = ()) -> Links:
     return Links({name: tuple(resources[rid] for rid in ids) for name, ids in refs.items()},
                  (resources[rid] for rid in served_by))
 
@@ -193,7 +194,6 @@ class LiveGraph:
         self._nursery: trio.Nursery | None = None
         self._lock = trio.Lock()  # one reload at a time
         self.reloads = 0
-        self.reload_failures = 0
 
     @property
     def gen(self) -> Generation:
@@ -272,7 +272,7 @@ class LiveGraph:
                     nursery.start_soon(resource.start, self.device)
         except BaseException:
             for resource in built:  # the servers that took it in let it go
-                self._close(resource, graph_resources=resources, graph=graph)
+                self._close(resource, graph, resources)
             raise
         for resource in built:
             self._start_duty(resource)
@@ -302,18 +302,19 @@ class LiveGraph:
             for resource in gen.resources.values():
                 if id(resource) not in held:
                     held.add(id(resource))  # closed once even if several idle generations hold it
-                    self._close(resource, graph_resources=gen.resources, graph=gen.graph)
+                    self._close(resource, gen.graph, gen.resources)
 
-    def _close(self, resource: Resource, *, graph_resources: dict[str, Resource],
-               graph: CompiledGraph | None = None) -> None:
+    def _end_duty(self, resource: Resource) -> None:
         scope = self._duties.pop(id(resource), None)
         if scope is not None:
             scope.cancel()
-        compiled = graph.resources.get(resource.id) if graph is not None else None
-        for server_id in compiled.served_by if compiled is not None else ():
-            server = graph_resources.get(server_id)
-            if server is not None:
-                server.release(resource)
+
+    def _close(self, resource: Resource, graph: CompiledGraph, resources: dict[str, Resource]) -> None:
+        """Retire ``resource`` of ``graph`` (whose live resources are ``resources``): its duty ends, its servers
+        let it go, and it gives back what it holds."""
+        self._end_duty(resource)
+        for server_id in graph.resources[resource.id].served_by:
+            resources[server_id].release(resource)
         if self._nursery is not None:
             self._nursery.start_soon(self._retire, resource, name=f"retire:{resource.id}")
 
@@ -333,13 +334,8 @@ class LiveGraph:
             for resource in gen.resources.values():
                 if id(resource) not in seen:
                     seen.add(id(resource))
-                    scope = self._duties.pop(id(resource), None)
-                    if scope is not None:
-                        scope.cancel()
+                    self._end_duty(resource)
                     try:
                         resource.close()
                     except Exception:
                         log.exception("closing resource %s failed", resource.id)
-
-    def generations(self) -> list[Generation]:
-        return [*self._retired, self.gen]

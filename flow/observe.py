@@ -33,7 +33,7 @@ class Observer:
         live = self.server.live
         if live.current is None:
             return {"name": self.server.graph.name, "version": 0, "loaded_at": None}
-        return {**live.gen.info(), "reloads": live.reloads, "failed_reloads": live.reload_failures}
+        return {**live.gen.info(), "reloads": live.reloads, "failed_reloads": self.server.reload_failures}
 
     def health_json(self) -> dict[str, Any]:
         server = self.server

@@ -110,6 +110,7 @@ class FlowServer:
         self.draining = trio.Event()
         self.stop_error: ApiError | None = None
         self._runs: set[trio.CancelScope] = set()
+        self.reload_failures = 0  # reloads refused (compile errors, a resource that did not start)
         self.on_reload: Callable[[], None] | None = None  # the HTTP app refreshes its limits
         self.observer = Observer(self)
         self.metrics = self.observer.metrics
@@ -155,7 +156,7 @@ class FlowServer:
         else:
             outcome = await self._switch(graph)
         if outcome.errors:
-            self.live.reload_failures += 1
+            self.reload_failures += 1
             log.error("reload refused; the running graph is unchanged:\n%s", outcome.errors)
         return outcome
 

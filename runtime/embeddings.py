@@ -28,8 +28,9 @@ import concurrent.futures
 import json
 import logging
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,9 @@ class _Job:
 
     inputs: list[list[int]]
     future: concurrent.futures.Future[np.ndarray]
-    order: deque[int] = field(default_factory=deque)
-    out: np.ndarray | None = None
-    left: int = 0
+    order: deque[int]
+    out: np.ndarray
+    left: int
 
 
 class EmbedderClosed(Exception):
@@ -121,8 +122,6 @@ class Embedder:
         return max(1, min(self.pass_tokens, int(self.pass_seconds / self._seconds_per_token)))
 
     def step(self) -> None:
-        import time
-
         import mlx.core as mx
 
         chosen = self._next_pass()
@@ -152,7 +151,7 @@ class Embedder:
         self.tokens += int(mask.sum())
         self.padded_tokens += ids.size
         for row, (job, i) in enumerate(chosen):
-            if job.future.done() or job.out is None:
+            if job.future.done():
                 continue
             job.out[i] = vectors[row]
             job.left -= 1
@@ -183,6 +182,8 @@ class LoadedEmbedder:
     embedder: Embedder
     dims: int
     max_length: int  # tokens per input, special tokens included
+    special_head: tuple[int, ...]  # the special tokens the tokenizer puts before a text ([CLS])
+    special_tail: tuple[int, ...]  # … and after it ([SEP]; an end token)
     vocab_size: int
     weight_bytes: int
     smoke_test: bool
@@ -222,5 +223,17 @@ def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int,
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     embedder = Embedder(model, device, int(pad_id), dims, pass_tokens, pass_seconds)
     log.info("embedding model %s loaded (%d dims)", name, dims)
-    return LoadedEmbedder(name, path, tokenizer, embedder, dims, _max_length(path, config, tokenizer),
+    head, tail = special_tokens(tokenizer)
+    return LoadedEmbedder(name, path, tokenizer, embedder, dims, _max_length(path, config, tokenizer), head, tail,
                           len(tokenizer), weight_bytes, bool(config.get("flow_smoke_test")))
+
+
+def special_tokens(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The special tokens the tokenizer puts before and after a text ([CLS] … [SEP] for BERT; none, or an end
+    token, for decoder-style embedders), found by tokenizing a probe text with and without them."""
+    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(full[:start]), tuple(full[start + len(plain):])
+    return (), ()

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import trio
-
-from flow.stage import ExitStage, Outbox
 from protocols import anthropic_messages
-from protocols.ir import ChatRequest, HttpRequest, PreparedPrompt, WireFrame
-from stages.protocol import ProtocolDecode, ProtocolFormat, json_frame
+from protocols.ir import ChatRequest, HttpRequest, PreparedPrompt
+from stages.protocol import JsonFormat, ProtocolDecode, ProtocolFormat
 
 
 class AnthropicMessagesDecode(ProtocolDecode):
@@ -39,14 +36,11 @@ class AnthropicCountTokensDecode(ProtocolDecode):
         return anthropic_messages.decode_messages_request(http.body, http.request_id, created, count_only=True)
 
 
-class AnthropicCountTokensFormat(ExitStage[PreparedPrompt, WireFrame]):
+class AnthropicCountTokensFormat(JsonFormat[PreparedPrompt]):
     type_name: ClassVar[str] = "anthropic.count_tokens.format"
     input_type: ClassVar[Any] = PreparedPrompt
-    output_type: ClassVar[Any] = WireFrame
     description = "answers {input_tokens} for a prepared prompt"
-
     codec = anthropic_messages.MessagesCodec
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[WireFrame]) -> None:
-        async for prompt in inbox:
-            await outbox.send(json_frame({"input_tokens": len(prompt.token_ids)}))
+    def encode(self, item: PreparedPrompt) -> dict[str, Any]:
+        return {"input_tokens": len(item.token_ids)}

@@ -16,12 +16,12 @@ import trio
 from pydantic import Field
 
 from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import EntryStage, ExitStage, Outbox, Stage, StageConfig
+from flow.stage import Outbox, Stage, StageConfig
 from protocols import openai_chat, openai_embeddings
 from protocols.errors import ApiError
-from protocols.ir import EmbeddingRequest, Embeddings, HttpRequest, WireFrame
+from protocols.ir import EmbeddingRequest, Embeddings, HttpRequest
 from runtime.device import wait_future
-from stages.protocol import json_frame
+from stages.protocol import BodyDecode, JsonFormat
 
 if TYPE_CHECKING:
     from runtime.embeddings import LoadedEmbedder
@@ -30,15 +30,13 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 
 
-class EmbeddingsDecode(EntryStage[HttpRequest, EmbeddingRequest]):
+class EmbeddingsDecode(BodyDecode[EmbeddingRequest]):
     type_name: ClassVar[str] = "openai.embeddings.decode"
-    input_type: ClassVar[Any] = HttpRequest
     output_type: ClassVar[Any] = EmbeddingRequest
     description = "validates an OpenAI embeddings body (text, texts, token ids) into an embeddings request"
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[EmbeddingRequest]) -> None:
-        async for http in inbox:
-            await outbox.send(openai_embeddings.decode_embeddings_request(http.body, http.request_id))
+    def decode(self, http: HttpRequest) -> EmbeddingRequest:
+        return openai_embeddings.decode_embeddings_request(http.body, http.request_id)
 
 
 class EmbedConfig(StageConfig):
@@ -95,7 +93,7 @@ def tokenize(loaded: LoadedEmbedder, inputs: Sequence[str | tuple[int, ...]], tr
                             truncation=truncate, max_length=limit if truncate else None)["input_ids"]
         for (i, _), ids in zip(texts, encoded):
             out[i] = list(ids)
-    head, tail = _special_tokens(tokenizer)
+    head, tail = loaded.special_head, loaded.special_tail
     specials = len(head) + len(tail)
     for i, item in enumerate(inputs):
         if isinstance(item, str):
@@ -124,24 +122,11 @@ async def embed_ids(loaded: LoadedEmbedder, ids: list[list[int]]) -> np.ndarray:
         raise
 
 
-def _special_tokens(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer puts before and after a text ([CLS] … [SEP] for BERT; none, or an end
-    token, for decoder-style embedders), found by tokenizing a probe text with and without them."""
-    plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
-    full = list(tokenizer("a", add_special_tokens=True)["input_ids"])
-    for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return full[:start], full[start + len(plain):]
-    return [], []
-
-
-class EmbeddingsFormat(ExitStage[Embeddings, WireFrame]):
+class EmbeddingsFormat(JsonFormat[Embeddings]):
     type_name: ClassVar[str] = "openai.embeddings.format"
     input_type: ClassVar[Any] = Embeddings
-    output_type: ClassVar[Any] = WireFrame
     description = "answers an OpenAI embeddings list (float arrays or base64 float32)"
     codec = openai_chat.ChatCodec  # OpenAI's error shape
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[Embeddings], outbox: Outbox[WireFrame]) -> None:
-        async for result in inbox:
-            await outbox.send(json_frame(openai_embeddings.encode_embeddings(result)))
+    def encode(self, item: Embeddings) -> dict[str, Any]:
+        return openai_embeddings.encode_embeddings(item)

@@ -10,7 +10,7 @@ function and its :class:`~protocols.codec.Codec`.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import trio
 from pydantic import Field
@@ -34,6 +34,36 @@ SSE_HEADERS = (("content-type", "text/event-stream"), ("cache-control", "no-cach
 
 def json_frame(obj: Any) -> WireFrame:
     return WireFrame(dumps(obj), headers=JSON_HEADERS)
+
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class BodyDecode(EntryStage[HttpRequest, Out]):
+    """Entry stage: the HTTP request as the item its path works on, by one :meth:`decode`."""
+
+    input_type: ClassVar[Any] = HttpRequest
+
+    def decode(self, http: HttpRequest) -> Out:
+        raise NotImplementedError
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[Out]) -> None:
+        async for http in inbox:
+            await outbox.send(self.decode(http))
+
+
+class JsonFormat(ExitStage[In, WireFrame]):
+    """Exit stage: each item answered as one JSON body, by one :meth:`encode`."""
+
+    output_type: ClassVar[Any] = WireFrame
+
+    def encode(self, item: In) -> Any:
+        raise NotImplementedError
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[WireFrame]) -> None:
+        async for item in inbox:
+            await outbox.send(json_frame(self.encode(item)))
 
 
 class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):

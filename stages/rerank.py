@@ -14,24 +14,22 @@ from typing import Any, ClassVar
 import numpy as np
 import trio
 
-from flow.stage import EntryStage, ExitStage, Outbox
+from flow.stage import Outbox
 from protocols import openai_chat, rerank
-from protocols.ir import HttpRequest, Ranking, RerankRequest, WireFrame
+from protocols.ir import HttpRequest, Ranking, RerankRequest
 from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize
-from stages.protocol import json_frame
+from stages.protocol import BodyDecode, JsonFormat
 
 SCORING = "cosine similarity of the query's and the document's embeddings"
 
 
-class RerankDecode(EntryStage[HttpRequest, RerankRequest]):
+class RerankDecode(BodyDecode[RerankRequest]):
     type_name: ClassVar[str] = "rerank.decode"
-    input_type: ClassVar[Any] = HttpRequest
     output_type: ClassVar[Any] = RerankRequest
     description = "validates a Jina/Cohere rerank body (query, documents, top_n, return_documents)"
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[RerankRequest]) -> None:
-        async for http in inbox:
-            await outbox.send(rerank.decode_rerank_request(http.body, http.request_id))
+    def decode(self, http: HttpRequest) -> RerankRequest:
+        return rerank.decode_rerank_request(http.body, http.request_id)
 
 
 class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
@@ -52,13 +50,11 @@ class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
                                       sum(len(ids) for ids in (*query, *documents))))
 
 
-class RerankFormat(ExitStage[Ranking, WireFrame]):
+class RerankFormat(JsonFormat[Ranking]):
     type_name: ClassVar[str] = "rerank.format"
     input_type: ClassVar[Any] = Ranking
-    output_type: ClassVar[Any] = WireFrame
     description = "answers results [{index, relevance_score, document?}] best first"
     codec = openai_chat.ChatCodec  # OpenAI's error shape
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[Ranking], outbox: Outbox[WireFrame]) -> None:
-        async for ranking in inbox:
-            await outbox.send(json_frame(rerank.encode_ranking(ranking)))
+    def encode(self, item: Ranking) -> dict[str, Any]:
+        return rerank.encode_ranking(item)
