@@ -70,6 +70,8 @@ class Capabilities:
     tool_calls_verified: bool = False  # a generated call parsed with tool_parser
     probed_at: float = field(default_factory=time.time)
     evidence: dict[str, Any] = field(default_factory=dict)
+    kind: str = "text"  # text, vision, embeddings, audio
+    profile: dict[str, Any] = field(default_factory=dict)  # kind-specific: an embedding model's dims, pooling, …
 
 
 _SCHEMA = """
@@ -83,9 +85,14 @@ CREATE TABLE IF NOT EXISTS capabilities (
     context_length INTEGER NOT NULL,
     tool_calls_verified INTEGER NOT NULL,
     probed_at REAL NOT NULL,
-    evidence TEXT NOT NULL
+    evidence TEXT NOT NULL,
+    kind TEXT NOT NULL DEFAULT 'text',
+    profile TEXT NOT NULL DEFAULT '{}'
 )
 """
+# Columns added after the first release: (name, declaration), added to older stores in place.
+_ADDED_COLUMNS = (("kind", "TEXT NOT NULL DEFAULT 'text'"), ("profile", "TEXT NOT NULL DEFAULT '{}'"))
+_JSON_COLUMNS = ("evidence", "profile")
 
 
 _warned: set[Path] = set()  # damaged stores already logged (a model load asks once per load)
@@ -99,6 +106,10 @@ class CapabilityStore:
         conn = sqlite3.connect(private_data_file(self.path))
         try:
             conn.execute(_SCHEMA)
+            have = {row[1] for row in conn.execute("PRAGMA table_info(capabilities)")}
+            for name, declaration in _ADDED_COLUMNS:
+                if name not in have:  # an older store: keep its rows, add the column
+                    conn.execute(f"ALTER TABLE capabilities ADD COLUMN {name} {declaration}")
         except BaseException:
             conn.close()
             raise
@@ -113,7 +124,8 @@ class CapabilityStore:
 
     def put(self, caps: Capabilities) -> None:
         row = asdict(caps)
-        row["evidence"] = json.dumps(caps.evidence)
+        for name in _JSON_COLUMNS:
+            row[name] = json.dumps(row[name])
         conn = self._connect()
         try:
             with conn:  # one transaction
@@ -139,7 +151,7 @@ class CapabilityStore:
             row = dict(found)
             return Capabilities(**{**row, "thinking": bool(row["thinking"]),
                                    "tool_calls_verified": bool(row["tool_calls_verified"]),
-                                   "evidence": json.loads(row["evidence"])})
+                                   **{name: json.loads(row[name]) for name in _JSON_COLUMNS}})
         except (sqlite3.Error, OSError, TypeError, ValueError, IndexError, KeyError) as exc:  # damaged, or odd rows
             self._unreadable(exc)
             return None

@@ -17,6 +17,7 @@ from flow.spec import SpecError, graph_files, load_tables
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
+    from flow.capabilities import Capabilities
     from flow.families import Family
     from flow.resource import Reference
     from flow.local_models import LocalModel
@@ -169,6 +170,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
     store = CapabilityStore(Path(args.db) if args.db else None)
     if args.list:
         for caps in store.all():
+            if caps.kind == "embeddings":
+                task = ("rerank (cross-encoder)" if caps.profile.get("task") == "score" else
+                        f"embeddings, {caps.profile.get('dims')} dims, {caps.profile.get('pooling')} pooling")
+                print(f"{caps.model}: {task}, max input {caps.context_length}")
+                continue
             print(f"{caps.model}: family {caps.family}, tools {caps.tool_delivery}/{caps.tool_parser}"
                   f"{' (verified)' if caps.tool_calls_verified else ''}, reasoning {caps.reasoning_parser}, "
                   f"thinking toggle {'yes' if caps.thinking else 'no'}, context {caps.context_length}")
@@ -187,6 +193,10 @@ def cmd_probe(args: argparse.Namespace) -> int:
         return 2
     smoke = " (SMOKE-TEST MODEL: random weights, its answers mean nothing)" if caps.evidence.get("smoke_test") else ""
     print(f"model:           {caps.model}{smoke}")
+    if caps.kind == "embeddings":
+        _print_embedding_capabilities(caps)
+        print(f"stored in:       {store.path}")
+        return 0
     print(f"family:          {caps.family} (detected {caps.evidence['detected_family']})")
     print(f"tool delivery:   {caps.tool_delivery}")
     print(f"tool parser:     {caps.tool_parser} ({'a generated call parsed' if caps.tool_calls_verified else 'no call seen in the probe answer; family default kept'})")
@@ -194,6 +204,22 @@ def cmd_probe(args: argparse.Namespace) -> int:
     print(f"context length:  {caps.context_length}")
     print(f"stored in:       {store.path}")
     return 0
+
+
+def _print_embedding_capabilities(caps: Capabilities) -> None:
+    profile = caps.profile
+    if profile.get("task") == "score":
+        print(f"task:            rerank (a cross-encoder); pair scores {caps.evidence.get('pair_scores')}")
+    else:
+        sizes = profile.get("matryoshka")
+        matryoshka = ("none" if not sizes else f"any from {sizes['smallest']}" if sizes.get("smallest")
+                      else ", ".join(str(n) for n in sizes["sizes"]))
+        print(f"task:            embeddings, {profile.get('dims')} dimensions, "
+              f"{'unit vectors' if profile.get('normalized') else 'NOT unit vectors'}")
+        print(f"pooling:         {profile.get('pooling')}")
+        print(f"matryoshka:      {matryoshka}")
+        print(f"similarity:      {caps.evidence.get('similarity')}")
+    print(f"max input:       {caps.context_length} tokens")
 
 
 def _size(n: int) -> str:
@@ -210,6 +236,10 @@ def _model_row(m: LocalModel) -> list[str]:
     verified = caps is not None and caps.tool_calls_verified
     tools = f"{m.tool_delivery}/{m.tool_parser}" + (" (verified)" if verified else "")
     reasoning = m.reasoning_parser + (", thinking toggle" if caps is not None and caps.thinking else "")
+    if m.profile is not None:  # an embedding model: its vectors instead of tools and reasoning
+        what = "rerank scores" if m.profile["task"] == "score" else f"{m.profile['dims']} dims, {m.profile['pooling']}"
+        return [m.id + (" (smoke test)" if m.smoke_test else ""), m.kind, model_type, _size(m.size_bytes),
+                "-", what, "-", str(m.profile["max_length"])]
     return [m.id + (" (smoke test)" if m.smoke_test else ""), m.kind, model_type, _size(m.size_bytes),
             f"{m.family} ({m.family_source})", tools, reasoning, str(caps.context_length) if caps else "-"]
 
@@ -244,7 +274,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([m.to_json() for m in models], indent=2))
     elif models:
-        _print_table([["MODEL", "KIND", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"],
+        _print_table([["MODEL", "KIND", "TYPE", "SIZE", "FAMILY", "TOOLS|VECTORS", "REASONING", "CONTEXT"],
                       *(_model_row(m) for m in models)])
     if not models:
         print(_no_models_message(), file=sys.stderr if args.json else sys.stdout)

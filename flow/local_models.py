@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from flow.capabilities import Capabilities, CapabilityStore
 from flow.families import Family, builtin_families, model_facts, resolve_family
+from runtime.embedding_profile import ProfileError, read_profile
 from runtime.model_kinds import ModelKind, detect_kind_of
 
 Source = Literal["hub", "directory", "smoke-test"]
@@ -72,6 +73,7 @@ class LocalModel:
     tool_delivery: str
     reasoning_parser: str
     capabilities: Capabilities | None  # what ``flow probe`` stored, if it ran
+    profile: dict[str, Any] | None = None  # an embedding model's: dims, pooling, max length, Matryoshka sizes
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -203,7 +205,11 @@ def describe(found: Found, store: CapabilityStore, families: dict[str, Family]) 
     config = _read_json(found.path / "config.json")
     model_type, architectures = model_facts(found.path)
     caps = _stored(store, found.store_keys)
-    if caps is not None:
+    kind = detect_kind_of(found.path)
+    profile = _embedding_profile(found.path, caps) if kind == "embeddings" else None
+    if kind != "text":  # tools and reasoning are a text model's
+        family, tool_parser, delivery, reasoning = "-", "-", "-", "-"
+    elif caps is not None:
         family, tool_parser = caps.family, caps.tool_parser
         delivery, reasoning = caps.tool_delivery, caps.reasoning_parser
     else:
@@ -212,11 +218,22 @@ def describe(found: Found, store: CapabilityStore, families: dict[str, Family]) 
         delivery, reasoning = detected.tools.delivery, detected.reasoning.parser
     return LocalModel(
         id=found.id, path=found.path, source=found.source, smoke_test=config.get("flow_smoke_test") is True,
-        kind=detect_kind_of(found.path), model_type=model_type, architectures=architectures, quantization_bits=_quantization_bits(config),
+        kind=kind, model_type=model_type, architectures=architectures, quantization_bits=_quantization_bits(config),
         size_bytes=found.size_bytes, weight_bytes=sum(p.stat().st_size for p in found.path.glob("*.safetensors")),
         family=family, family_source="probed" if caps is not None else "detected",
         tool_parser=tool_parser, tool_delivery=delivery, reasoning_parser=reasoning, capabilities=caps,
+        profile=profile,
     )
+
+
+def _embedding_profile(path: Path, caps: Capabilities | None) -> dict[str, Any] | None:
+    """What ``flow probe`` measured, else what the files declare (None if they ask for what flow cannot do)."""
+    if caps is not None and caps.profile:
+        return caps.profile
+    try:
+        return read_profile(path).as_json()
+    except ProfileError:
+        return None
 
 
 def _unique(found: Iterable[Found]) -> Iterator[Found]:

@@ -109,12 +109,13 @@ class Observer:
 
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.loaded is not None,
+        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.ready,
                                "state": model.state, "kind": model.kind, "family": model.family.name,
                                "loads": model.loads}
         if model.embedding is not None:
             out.update(smoke_test=model.embedding.smoke_test, dimensions=model.embedding.dims,
-                       max_input_tokens=model.embedding.max_length, embedder=model.embedding.embedder.stats_json())
+                       max_input_tokens=model.embedding.max_length, profile=model.embedding.profile.as_json(),
+                       embedder=model.embedding.embedder.stats_json())
         if model.loaded is not None:  # no paths: /health needs no key
             out.update(smoke_test=model.loaded.smoke_test,
                        context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,

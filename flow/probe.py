@@ -11,6 +11,10 @@ The probe loads the model and asks it, greedily, to call a tool:
    whether a thinking-on answer contains ``<think>…</think>`` markup;
 4. the context length from the model's config.
 
+An embedding model is probed for what it gives instead: its vector size, pooling, length limit and
+Matryoshka sizes (:mod:`runtime.embedding_profile`), checked by embedding three sentences (or, for a
+cross-encoder, scoring two pairs).
+
 The result goes to the :mod:`flow.capabilities` store, which serving reads
 before falling back to family detection.
 """
@@ -21,6 +25,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from flow.capabilities import Capabilities, CapabilityStore
 from flow.families import Family, resolve_family
 from protocols.errors import ApiError
@@ -28,6 +34,7 @@ from protocols.ir import ChatRequest, Message, ToolCallDelta
 from protocols.parsers import TOOL_PARSERS, make_response_parser, make_tool_parser
 from runtime.device import shared_device
 from runtime.engine_config import EngineConfig
+from runtime.model_kinds import detect_kind_of
 from runtime.models import LoadedModel, load_model, resolve_model_path
 from stages.chat import render_prompt
 
@@ -65,11 +72,47 @@ def probe(ref: str, *, family_choice: str = "auto", max_tokens: int = 160,
     path: Path = resolve_model_path(ref)
     device = shared_device()
     device.start()
+    if detect_kind_of(path) == "embeddings":
+        return probe_embedder(path, store or CapabilityStore())
     loaded = load_model(path.name, path, device, EngineConfig(max_batch=1))
     try:
         return _probe(loaded, path, ref, family_choice, max_tokens, store or CapabilityStore())
     finally:
         loaded.engine.close()
+
+
+PROBE_SENTENCES = ("The cat sits on the mat.", "A cat is sitting on a mat.", "Stock prices fell sharply today.")
+
+
+def probe_embedder(path: Path, store: CapabilityStore) -> Capabilities:
+    """An embedding model's capabilities: what its files declare (pooling, length, Matryoshka sizes), checked
+    by embedding three sentences — the vector size, and that the vectors are unit length — or, for a
+    cross-encoder, by scoring two pairs."""
+    from runtime.embeddings import load_embedder
+
+    loaded = load_embedder(path.name, path, shared_device(), pass_tokens=4096)
+    try:
+        ids = [list(row) for row in loaded.tokenizer(list(PROBE_SENTENCES))["input_ids"]]
+        if loaded.profile.task == "score":
+            ids = [list(row) for row in loaded.tokenizer([PROBE_SENTENCES[0]] * 2, list(PROBE_SENTENCES[1:]))[
+                "input_ids"]]
+        out = loaded.embedder.submit(ids).result(timeout=600)
+    finally:
+        loaded.embedder.close()
+    evidence: dict[str, Any] = {"smoke_test": loaded.smoke_test, "detected_family": "-"}
+    profile = loaded.profile.as_json()
+    if loaded.profile.task == "score":
+        evidence["pair_scores"] = [round(float(x), 4) for x in out[:, 0]]
+    else:
+        norms = np.linalg.norm(out, axis=1)
+        profile["normalized"] = bool(np.allclose(norms, 1.0, atol=1e-3))
+        evidence["similarity"] = {"paraphrase": round(float(out[0] @ out[1]), 4),
+                                  "unrelated": round(float(out[0] @ out[2]), 4)}
+    caps = Capabilities(model=str(path), family="-", tool_parser="null", reasoning_parser="null",
+                        tool_delivery="-", thinking=False, context_length=loaded.max_length, evidence=evidence,
+                        kind="embeddings", profile=profile)
+    store.put(caps)
+    return caps
 
 
 def _probe(loaded: LoadedModel, path: Path, ref: str, family_choice: str, max_tokens: int,

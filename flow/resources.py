@@ -72,6 +72,9 @@ class ModelConfig(ResourceConfig):
         default=0.1, gt=0, description="embedding models: a pass holds no more padded tokens than the device "
                                        "computes in this time (measured), so a small request behind a large job "
                                        "waits for a short pass")
+    dimensions: list[int] = Field(
+        default_factory=list, description="embedding models: the Matryoshka sizes the model was trained to be cut "
+                                          "to (default: from its config.json, model card or series)")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
@@ -189,7 +192,8 @@ class ModelResource(Resource):
 
         started = time.perf_counter()
         self.embedding = await trio.to_thread.run_sync(load_embedder, self.name, path, device,
-                                                       self.config.embed_pass_tokens, self.config.embed_pass_seconds)
+                                                       self.config.embed_pass_tokens, self.config.embed_pass_seconds,
+                                                       tuple(self.config.dimensions))
         self.last_used = time.monotonic()
         self.loads += 1
         log.info("embedding model %s ready (%.1f s, %d dims)%s", self.name, time.perf_counter() - started,

@@ -30,13 +30,17 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
 
 import numpy as np
 
 from runtime.device import DeviceThread
+from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, read_profile
+from runtime.models import ModelNotAvailable
 
 log = logging.getLogger("flow.embeddings")
 
@@ -52,6 +56,9 @@ class _Job:
     left: int
 
 
+Readout = Callable[[Any, Any], Any]  # (model output, attention mask) → (n, dims) mx.array
+
+
 class EmbedderClosed(Exception):
     """The model was unloaded while the request waited."""
 
@@ -60,8 +67,9 @@ class Embedder:
     """Packs waiting inputs of all requests into shared forward passes (see the module docstring)."""
 
     def __init__(self, model: Any, device: DeviceThread, pad_id: int, dims: int, pass_tokens: int,
-                 pass_seconds: float = 0.1) -> None:
+                 pass_seconds: float = 0.1, readout: Readout | None = None) -> None:
         self.model = model
+        self.readout = readout or builtin_vectors
         self.device = device
         self.pad_id = pad_id
         self.dims = dims
@@ -135,8 +143,9 @@ class Embedder:
             mask[row, : len(job.inputs[i])] = 1
         started = time.perf_counter()
         try:
-            output = self.model(mx.array(ids), attention_mask=mx.array(mask))
-            vectors = np.array(output.text_embeds.astype(mx.float32))
+            attention = mx.array(mask)
+            output = self.model(mx.array(ids), attention_mask=attention)
+            vectors = np.array(self.readout(output, attention).astype(mx.float32))
         except Exception as exc:  # a failed pass fails its requests, not the device thread
             log.exception("embedding pass failed")
             for job, _ in chosen:
@@ -174,38 +183,74 @@ class Embedder:
 
 @dataclass
 class LoadedEmbedder:
-    """An embedding model loaded on the device thread, with its tokenizer and embedder."""
+    """An embedding model (or a cross-encoder) loaded on the device thread, with its tokenizer and embedder."""
 
     name: str
     path: Path
     tokenizer: Any  # a transformers tokenizer (mlx-embeddings' wrapper unwrapped)
     embedder: Embedder
-    dims: int
-    max_length: int  # tokens per input, special tokens included
+    dims: int  # vector size (1 for a cross-encoder: a score)
+    profile: EmbeddingProfile
     special_head: tuple[int, ...]  # the special tokens the tokenizer puts before a text ([CLS])
     special_tail: tuple[int, ...]  # … and after it ([SEP]; an end token)
     vocab_size: int
     weight_bytes: int
     smoke_test: bool
 
+    @property
+    def max_length(self) -> int:
+        """Tokens per input, special tokens included."""
+        return self.profile.max_length
 
-def _max_length(path: Path, config: dict[str, Any], tokenizer: Any) -> int:
-    """What the model was trained to read: sentence-transformers' max_seq_length, else the smaller of the
-    position embeddings and the tokenizer's model_max_length (when that is a real number)."""
-    try:
-        return int(json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    limits = [int(config.get("max_position_embeddings") or 512)]
-    declared = getattr(tokenizer, "model_max_length", None)
-    if isinstance(declared, int) and 0 < declared < 1_000_000:
-        limits.append(declared)
-    return min(limits)
+
+def builtin_vectors(output: Any, mask: Any) -> Any:
+    """mlx-embeddings' own pooled, L2-normalised vectors."""
+    return output.text_embeds
+
+
+def pooled_vectors(pooling: Pooling) -> Readout:
+    """Vectors pooled by flow from the token states — when the checkpoint's sentence-transformers config pools
+    differently from mlx-embeddings' model (BGE pools [CLS]; mlx-embeddings' BERT pools the mean) — then
+    L2-normalised. Inputs are padded on the right."""
+
+    def readout(output: Any, mask: Any) -> Any:
+        import mlx.core as mx
+
+        states = output.last_hidden_state.astype(mx.float32)
+        weights = mask.astype(mx.float32)[..., None]
+        if pooling == "cls":
+            pooled = states[:, 0]
+        elif pooling == "last_token":
+            last = mask.astype(mx.int32).sum(axis=1) - 1
+            pooled = mx.take_along_axis(states, last[:, None, None], axis=1)[:, 0]
+        elif pooling == "max":
+            pooled = mx.where(weights > 0, states, mx.array(-mx.inf, dtype=mx.float32)).max(axis=1)
+        else:
+            pooled = (states * weights).sum(axis=1) / mx.maximum(weights.sum(axis=1), 1.0)
+        return pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+
+    return readout
+
+
+def relevance_scores(output: Any, mask: Any) -> Any:
+    """A cross-encoder's relevance per pair, shaped (n, 1): its one output (mlx-embeddings applies the sigmoid),
+    or the probability of the last label ("relevant") of a multi-label head."""
+    scores = output.pooler_output
+    return scores[:, -1:]
 
 
 def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int,
-                  pass_seconds: float = 0.1) -> LoadedEmbedder:
-    """Load an mlx-embeddings model and its tokenizer on the device thread (blocking the caller)."""
+                  pass_seconds: float = 0.1, dimensions: tuple[int, ...] = ()) -> LoadedEmbedder:
+    """Load an mlx-embeddings model and its tokenizer on the device thread (blocking the caller).
+    ``dimensions``: Matryoshka sizes the graph declares for it."""
+    try:
+        profile = read_profile(path, dimensions)
+    except ProfileError as exc:
+        raise ModelNotAvailable(f"{path}: {exc}") from None
+    if profile.pooling != profile.builtin_pooling:
+        readout = pooled_vectors(profile.pooling)
+    else:
+        readout = relevance_scores if profile.task == "score" else builtin_vectors
 
     def _load() -> tuple[Any, Any, int, int]:
         import mlx.core as mx
@@ -214,18 +259,25 @@ def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int,
 
         model, wrapper = load(str(path))
         tokenizer = getattr(wrapper, "_tokenizer", wrapper)
-        probe = model(mx.array([[tokenizer.pad_token_id or 0]]), attention_mask=mx.array([[1]]))
+        ones = mx.array([[1]])
+        probe = readout(model(mx.array([[tokenizer.pad_token_id or 0]]), attention_mask=ones), ones)
         leaves: Any = tree_flatten(model.parameters())
-        return model, tokenizer, int(probe.text_embeds.shape[-1]), sum(v.nbytes for _, v in leaves)
+        return model, tokenizer, int(probe.shape[-1]), sum(v.nbytes for _, v in leaves)
 
-    model, tokenizer, dims, weight_bytes = device.call(_load)
+    try:
+        model, tokenizer, dims, weight_bytes = device.call(_load)
+    except (ValueError, KeyError, AttributeError, TypeError) as exc:  # a checkpoint mlx-embeddings cannot read
+        raise ModelNotAvailable(f"mlx-embeddings cannot load {path} ({type(exc).__name__}: {exc})") from None
     config = json.loads((path / "config.json").read_text())
+    limit = getattr(tokenizer, "model_max_length", None)
+    profile = replace(read_profile(path, dimensions, limit if isinstance(limit, int) else None), dims=dims)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    embedder = Embedder(model, device, int(pad_id), dims, pass_tokens, pass_seconds)
-    log.info("embedding model %s loaded (%d dims)", name, dims)
+    embedder = Embedder(model, device, int(pad_id), dims, pass_tokens, pass_seconds, readout)
+    log.info("embedding model %s loaded (%s, %d %s, %s pooling)", name, profile.task, dims,
+             "scores" if profile.task == "score" else "dims", profile.pooling)
     head, tail = special_tokens(tokenizer)
-    return LoadedEmbedder(name, path, tokenizer, embedder, dims, _max_length(path, config, tokenizer), head, tail,
-                          len(tokenizer), weight_bytes, bool(config.get("flow_smoke_test")))
+    return LoadedEmbedder(name, path, tokenizer, embedder, dims, profile, head, tail, len(tokenizer), weight_bytes,
+                          bool(config.get("flow_smoke_test")))
 
 
 def special_tokens(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

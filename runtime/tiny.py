@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-Arch = Literal["qwen3", "llama", "gemma3", "bert"]
+Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -114,6 +114,8 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-bert": TinySpec(arch="bert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=128,
                           vocab_size=1000, max_position_embeddings=512),
     "tiny-qwen3-embedding": TinySpec(embedding=True),
+    "tiny-reranker": TinySpec(arch="modernbert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64,
+                              vocab_size=1000, max_position_embeddings=512),
     # ~88M parameters (untied lm_head): big enough that decode speed means something.
     "bench-80m": TinySpec(
         arch="qwen3",
@@ -774,8 +776,8 @@ generates is gibberish.
 
 def _write_model_files(out: Path, spec: TinySpec) -> None:
     """Write every file of the checkpoint into the (empty) directory ``out``."""
-    if spec.arch == "bert":
-        _write_bert_files(out, spec)
+    if spec.arch in ("bert", "modernbert"):
+        _write_encoder_files(out, spec)
         return
     info = _ARCHS[spec.arch]
     tok = _train_tokenizer(info, spec.vocab_size)
@@ -809,9 +811,9 @@ def _write_model_files(out: Path, spec: TinySpec) -> None:
 _BERT_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def _write_bert_files(out: Path, spec: TinySpec) -> None:
-    """A BERT encoder as sentence-embedding checkpoints ship it: WordPiece tokenizer (lower-cased, [CLS] …
-    [SEP]), ``BertModel`` weights named as mlx-embeddings' bert module names them."""
+def _wordpiece_tokenizer(spec: TinySpec) -> Tokenizer:
+    """A lower-casing WordPiece tokenizer as BERT-family checkpoints ship it: ``[CLS] a [SEP]``, and
+    ``[CLS] a [SEP] b [SEP]`` for pairs."""
     from tokenizers import normalizers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100))
@@ -824,15 +826,35 @@ def _write_bert_files(out: Path, spec: TinySpec) -> None:
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    vocab = tok.get_vocab()
-    config = {"architectures": ["BertModel"], "model_type": "bert", "vocab_size": len(vocab),
-              "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
-              "num_attention_heads": spec.num_heads, "intermediate_size": spec.intermediate_size,
-              "max_position_embeddings": spec.max_position_embeddings, "type_vocab_size": 2, "hidden_act": "gelu",
-              "layer_norm_eps": 1e-12, "pad_token_id": vocab["[PAD]"], "flow_smoke_test": True}
-    from mlx_embeddings.models import bert
+    return tok
 
-    model = bert.Model(bert.ModelArgs.from_dict(config))
+
+def _encoder_config(spec: TinySpec, vocab: dict[str, int]) -> dict[str, Any]:
+    """The config of an encoder-only model: a ``BertModel`` sentence encoder, or (``modernbert``) a ModernBERT
+    cross-encoder with one relevance output, as rerankers ship (gte-reranker-modernbert)."""
+    common = {"vocab_size": len(vocab), "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+              "num_attention_heads": spec.num_heads, "intermediate_size": spec.intermediate_size,
+              "max_position_embeddings": spec.max_position_embeddings, "pad_token_id": vocab["[PAD]"],
+              "flow_smoke_test": True}
+    if spec.arch == "modernbert":
+        return {"architectures": ["ModernBertForSequenceClassification"], "model_type": "modernbert", **common,
+                "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "classifier_pooling": "mean",
+                "cls_token_id": vocab["[CLS]"], "sep_token_id": vocab["[SEP]"], "local_attention": 16,
+                "global_attn_every_n_layers": 2, "hidden_activation": "gelu"}
+    return {"architectures": ["BertModel"], "model_type": "bert", **common, "type_vocab_size": 2,
+            "hidden_act": "gelu", "layer_norm_eps": 1e-12}
+
+
+def _write_encoder_files(out: Path, spec: TinySpec) -> None:
+    """An encoder as embedding and reranking checkpoints ship it: WordPiece tokenizer, weights named as
+    mlx-embeddings' module for the architecture names them."""
+    from mlx_embeddings.models import bert, modernbert
+
+    tok = _wordpiece_tokenizer(spec)
+    vocab = tok.get_vocab()
+    config = _encoder_config(spec, vocab)
+    module: Any = modernbert if spec.arch == "modernbert" else bert
+    model = module.Model(module.ModelArgs.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
     names = sorted(params)
     keys = mx.random.split(mx.random.key(spec.seed), len(names))
@@ -847,8 +869,9 @@ def _write_bert_files(out: Path, spec: TinySpec) -> None:
             "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
             "mask_token": "[MASK]", "padding_side": "right", "clean_up_tokenization_spaces": True})):
         (out / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
-    (out / "README.md").write_text(f"# {SMOKE_TEST_LABEL}\n\nA `bert` encoder with random weights (cache key "
-                                   f"`{spec.cache_key()}`): its vectors mean nothing.\n", encoding="utf-8")
+    role = "cross-encoder (reranker)" if spec.arch == "modernbert" else "encoder"
+    (out / "README.md").write_text(f"# {SMOKE_TEST_LABEL}\n\nA `{spec.arch}` {role} with random weights (cache "
+                                   f"key `{spec.cache_key()}`): its outputs mean nothing.\n", encoding="utf-8")
 
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

@@ -70,14 +70,35 @@ class Embed(EmbeddingModelStage[EmbeddingRequest, Embeddings]):
     async def run(self, inbox: trio.MemoryReceiveChannel[EmbeddingRequest], outbox: Outbox[Embeddings]) -> None:
         async for request in inbox:
             resource, loaded = await self.embedder(request.model)
-            if request.dimensions is not None and request.dimensions != loaded.dims:
-                raise ApiError("invalid_request", f"The model {resource.name!r} gives {loaded.dims}-dimension "
-                               f"vectors and cannot shorten them; send dimensions = {loaded.dims} or leave it out.",
-                               param="dimensions")
+            if loaded.profile.task != "embed":
+                raise ApiError("invalid_request", f"The model {resource.name!r} is a cross-encoder: it scores "
+                               "query–document pairs (POST /v1/rerank) and gives no embeddings.", param="model",
+                               code="wrong_model_kind")
+            dims = served_dimensions(resource.name, loaded, request.dimensions)
             ids = await trio.to_thread.run_sync(tokenize, loaded, request.inputs, self.truncate)
-            vectors = await embed_ids(loaded, ids)
+            vectors = shorten(await embed_ids(loaded, ids), dims)
             rows = tuple(np.ascontiguousarray(v, dtype="<f4").tobytes() for v in vectors)
-            await outbox.send(Embeddings(request, resource.name, rows, loaded.dims, sum(len(i) for i in ids)))
+            await outbox.send(Embeddings(request, resource.name, rows, dims, sum(len(i) for i in ids)))
+
+
+def served_dimensions(model: str, loaded: LoadedEmbedder, requested: int | None) -> int:
+    """The vector size a request gets: the model's own, or a Matryoshka size it was trained for (else a 400
+    naming the accepted values)."""
+    native, matryoshka = loaded.dims, loaded.profile.matryoshka
+    if requested is None or matryoshka.accepts(requested, native):
+        return requested or native
+    accepted = (matryoshka.describe(native) if matryoshka.declared
+                else f"{native} (it was not trained to be shortened)")
+    raise ApiError("invalid_request", f"dimensions = {requested} is not available for {model!r}, which gives "
+                   f"{native}-dimension vectors; send {accepted}, or leave dimensions out.", param="dimensions")
+
+
+def shorten(vectors: np.ndarray, dims: int) -> np.ndarray:
+    """Matryoshka: the first ``dims`` components, renormalised to unit length."""
+    if dims == vectors.shape[1]:
+        return vectors
+    cut: np.ndarray = vectors[:, :dims]
+    return cut / np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)  # type: ignore[no-any-return]
 
 
 def tokenize(loaded: LoadedEmbedder, inputs: Sequence[str | tuple[int, ...]], truncate: bool,
@@ -104,12 +125,27 @@ def tokenize(loaded: LoadedEmbedder, inputs: Sequence[str | tuple[int, ...]], tr
                            f"vocabulary (0 to {loaded.vocab_size - 1}).", param=label.format(i))
         body = list(item)[: limit - specials] if truncate else list(item)
         out[i] = [*head, *body, *tail]
-    for i, ids in enumerate(out):
-        if len(ids) > limit:
-            raise ApiError("invalid_request", f"'{label.format(i)}' is {len(ids)} tokens long; this model reads "
+    return checked_lengths(out, limit, label)
+
+
+def tokenize_pairs(loaded: LoadedEmbedder, query: str, documents: Sequence[str], truncate: bool) -> list[list[int]]:
+    """Query–document pairs as a cross-encoder reads them (``[CLS] query [SEP] document [SEP]``); with
+    ``truncate``, long documents are cut, never the query."""
+    limit = loaded.max_length
+    encoded = loaded.tokenizer([query] * len(documents), list(documents), add_special_tokens=True,
+                               truncation="only_second" if truncate else False,
+                               max_length=limit if truncate else None)["input_ids"]
+    return checked_lengths([list(ids) for ids in encoded], limit, "documents[{}]")
+
+
+def checked_lengths(ids: list[list[int]], limit: int, label: str) -> list[list[int]]:
+    """``ids``, unless one is longer than the model reads: a 400 naming it."""
+    for i, row in enumerate(ids):
+        if len(row) > limit:
+            raise ApiError("invalid_request", f"'{label.format(i)}' is {len(row)} tokens long; this model reads "
                            f"at most {limit} (the stage's truncate = true cuts longer inputs instead).",
                            param=label.format(i), code="context_length_exceeded")
-    return out
+    return ids
 
 
 async def embed_ids(loaded: LoadedEmbedder, ids: list[list[int]]) -> np.ndarray:

@@ -40,7 +40,11 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
         if model.kind is not None:
             entry["kind"] = model.kind
         if model.embedding is not None:
-            entry["max_input_tokens"], entry["dimensions"] = model.embedding.max_length, model.embedding.dims
+            entry["max_input_tokens"] = model.embedding.max_length
+            if model.embedding.profile.task == "score":
+                entry["task"] = "rerank"  # a cross-encoder: scores, no vectors
+            else:
+                entry["dimensions"] = model.embedding.dims
         elif model.loaded is not None:
             entry["max_input_tokens"] = model.loaded.context_length
         if loaded is not None:

@@ -1,10 +1,10 @@
 """The rerank path: ``rerank.decode`` → ``rerank`` → ``rerank.format`` (Jina / Cohere shape).
 
-``rerank`` scores each document by the cosine similarity of its embedding and the query's, computed by an
-embedding model in the same shared passes as ``/v1/embeddings`` (:mod:`runtime.embeddings`); the vectors are
-L2-normalised, so the score is their dot product, in [-1, 1]. The response says so (``meta.scoring``).
-Cross-encoder rerankers (a sequence-classification head scoring each query-document pair) are a different
-model shape and are not served by this stage.
+``rerank`` scores each document with the model the request names, in the same shared passes as
+``/v1/embeddings`` (:mod:`runtime.embeddings`): a **cross-encoder** (a sequence-classification head, as
+mlx-embeddings loads ModernBERT rerankers) reads each query–document pair and gives its relevance in [0, 1];
+an **embedding model** gives the cosine similarity of the document's vector and the query's (unit vectors, so
+their dot product, in [-1, 1]). The response says which (``meta.scoring``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import trio
 from flow.stage import Outbox
 from protocols import openai_chat, rerank
 from protocols.ir import HttpRequest, Ranking, RerankRequest
-from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize
+from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize, tokenize_pairs
 from stages.protocol import BodyDecode, JsonFormat
 
-SCORING = "cosine similarity of the query's and the document's embeddings"
+COSINE = "cosine similarity of the query's and the document's embeddings"
+CROSS_ENCODER = "cross-encoder: a sequence-classification model's relevance for each query–document pair"
 
 
 class RerankDecode(BodyDecode[RerankRequest]):
@@ -36,18 +37,23 @@ class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
     type_name: ClassVar[str] = "rerank"
     input_type: ClassVar[Any] = RerankRequest
     output_type: ClassVar[Any] = Ranking
-    description = "scores documents against a query by embedding cosine similarity (an embedding model)"
+    description = "scores documents against a query: a cross-encoder per pair, or embedding cosine similarity"
 
     async def run(self, inbox: trio.MemoryReceiveChannel[RerankRequest], outbox: Outbox[Ranking]) -> None:
         async for request in inbox:
             resource, loaded = await self.embedder(request.model)
-            query = await trio.to_thread.run_sync(tokenize, loaded, (request.query,), self.truncate, "query")
-            documents = await trio.to_thread.run_sync(tokenize, loaded, request.documents, self.truncate,
-                                                      "documents[{}]")
-            vectors = await embed_ids(loaded, [*query, *documents])
-            scores = np.clip(vectors[1:] @ vectors[0], -1.0, 1.0)
-            await outbox.send(Ranking(request, resource.name, tuple(float(x) for x in scores), SCORING,
-                                      sum(len(ids) for ids in (*query, *documents))))
+            if loaded.profile.task == "score":
+                ids = await trio.to_thread.run_sync(tokenize_pairs, loaded, request.query, request.documents,
+                                                    self.truncate)
+                scores, scoring = (await embed_ids(loaded, ids))[:, 0], CROSS_ENCODER
+            else:
+                query = await trio.to_thread.run_sync(tokenize, loaded, (request.query,), self.truncate, "query")
+                ids = [*query, *await trio.to_thread.run_sync(tokenize, loaded, request.documents, self.truncate,
+                                                              "documents[{}]")]
+                vectors = await embed_ids(loaded, ids)
+                scores, scoring = np.clip(vectors[1:] @ vectors[0], -1.0, 1.0), COSINE
+            await outbox.send(Ranking(request, resource.name, tuple(float(x) for x in scores), scoring,
+                                      sum(len(row) for row in ids)))
 
 
 class RerankFormat(JsonFormat[Ranking]):

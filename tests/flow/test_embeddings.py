@@ -4,6 +4,7 @@ random-weight embedding models of two architectures (a BERT encoder, a decoder-s
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -129,7 +130,7 @@ def test_errors(server: RunningServer) -> None:
     assert error(embed(server, model="bert", input=[[1, 2], [10**6]]))["message"].startswith(
         "'input[1]' has token id 1000000, outside this model's vocabulary")
     assert error(embed(server, model="bert", input="hi", dimensions=8))["message"].endswith(
-        "send dimensions = 32 or leave it out.")
+        "send 32 (it was not trained to be shortened), or leave dimensions out.")
     assert embed(server, model="bert", input="hi", dimensions=32).status_code == 200
     assert error(embed(server, model="bert", input="hi", encoding_format="int8"))["param"] == "encoding_format"
     assert error(embed(server, model="nope", input="hi"), 404)["code"] == "model_not_found"
@@ -190,6 +191,89 @@ def test_rerank_errors(server: RunningServer) -> None:
     assert error(rerank(model="tiny", query="q", documents=["a"]))["code"] == "wrong_model_kind"
     long_query = error(rerank(model="bert", query=" ".join(["river"] * 600), documents=["a"]))
     assert long_query["param"] == "query" and "reads at most 512" in long_query["message"]
+
+
+# --------------------------------------------------------------------------- profiles: Matryoshka, pooling, cross-encoders
+
+
+@pytest.fixture(scope="module")
+def profiles(tiny_qwen3: Path, embedders: dict[str, Path],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """A BERT with Matryoshka sizes from the graph, one whose sentence-transformers config pools [CLS] (as BGE
+    does), and a ModernBERT cross-encoder."""
+    cls_model = tmp_path_factory.mktemp("bert-cls")
+    for file in embedders["bert"].iterdir():
+        (cls_model / file.name).symlink_to(file)
+    (cls_model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (cls_model / "1_Pooling").mkdir()
+    (cls_model / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}))
+    tables = tables_with_model(tiny_qwen3)
+    tables["resources"].update(
+        mrl={"type": "model", "path": str(embedders["bert"]), "name": "mrl", "dimensions": [8, 16]},
+        cls={"type": "model", "path": str(cls_model), "name": "cls"},
+        reranker={"type": "model", "path": str(ensure_tiny_model("tiny-reranker")), "name": "reranker"})
+    with running_server(compile_tables(tables, "embedding profiles")) as running:
+        yield running
+
+
+def test_dimensions_cut_matryoshka_vectors_and_renormalize(profiles: RunningServer) -> None:
+    full = np.array(embed(profiles, model="mrl", input=TEXTS).json()["data"][0]["embedding"])
+    for size in (8, 16):
+        short = embed(profiles, model="mrl", input=TEXTS, dimensions=size).json()["data"][0]["embedding"]
+        assert len(short) == size
+        assert np.abs(np.array(short) - full[:size] / np.linalg.norm(full[:size])).max() < 1e-6
+    refused = error(embed(profiles, model="mrl", input="hi", dimensions=12))
+    assert refused["param"] == "dimensions" and "send one of 8, 16, 32" in refused["message"]
+    health = {m["id"]: m for m in profiles.health()["models"]}
+    assert health["mrl"]["profile"]["matryoshka"] == {"sizes": [8, 16], "smallest": None}
+
+
+def test_sentence_transformers_pooling_is_honoured(profiles: RunningServer, embedders: dict[str, Path]) -> None:
+    def cls_vectors() -> np.ndarray:
+        import mlx.core as mx
+        from mlx_embeddings.utils import load
+
+        model, wrapper = load(str(embedders["bert"]))
+        rows = []
+        for text in TEXTS:
+            ids = wrapper._tokenizer(text)["input_ids"]
+            state = np.array(model(mx.array([ids]), attention_mask=mx.array([[1] * len(ids)])).last_hidden_state[0, 0])
+            rows.append(state / np.linalg.norm(state))
+        return np.stack(rows)
+
+    expected = profiles.server.device.call(cls_vectors)
+    got = np.array([d["embedding"] for d in embed(profiles, model="cls", input=TEXTS).json()["data"]])
+    assert np.abs(got - expected).max() < 1e-5
+    assert {m["id"]: m for m in profiles.health()["models"]}["cls"]["profile"]["pooling"] == "cls"
+
+
+def test_a_cross_encoder_reranks_by_pair_scores(profiles: RunningServer) -> None:
+    query, documents = "where do rivers go", ["to the sea", "a recipe for bread", "rivers run to the sea"]
+
+    def pair_scores() -> np.ndarray:
+        import mlx.core as mx
+        from mlx_embeddings.utils import load
+
+        model, wrapper = load(str(ensure_tiny_model("tiny-reranker")))
+        rows = []
+        for document in documents:  # one pair at a time: no padding
+            ids = wrapper._tokenizer(query, document)["input_ids"]
+            rows.append(float(model(mx.array([ids]), attention_mask=mx.array([[1] * len(ids)])).pooler_output[0, 0]))
+        return np.array(rows)
+
+    expected = profiles.server.device.call(pair_scores)
+    answer = httpx.post(profiles.base_url + "/v1/rerank", timeout=60, json={
+        "model": "reranker", "query": query, "documents": documents}).json()
+    assert answer["meta"]["scoring"].startswith("cross-encoder")
+    assert [r["index"] for r in answer["results"]] == list(np.argsort(-expected, kind="stable"))
+    assert np.allclose([r["relevance_score"] for r in answer["results"]], np.sort(expected)[::-1], atol=1e-5)
+    refused = error(embed(profiles, model="reranker", input="hi"))
+    assert refused["code"] == "wrong_model_kind" and "cross-encoder" in refused["message"]
+    listing = {m["id"]: m for m in httpx.get(profiles.url + "/models", timeout=10).json()["data"]}
+    assert listing["reranker"]["task"] == "rerank" and "dimensions" not in listing["reranker"]
 
 
 # --------------------------------------------------------------------------- real weights

@@ -94,7 +94,7 @@ def test_table_shows_each_model_with_its_family_source(
         populated: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["MODEL", "KIND", "TYPE", "SIZE", "FAMILY", "TOOLS", "REASONING", "CONTEXT"]
+    assert lines[0].split() == ["MODEL", "KIND", "TYPE", "SIZE", "FAMILY", "TOOLS|VECTORS", "REASONING", "CONTEXT"]
     rows = {line.split()[0]: line for line in lines[1:4]}
     assert set(rows) == {"flow-test/tiny-qwen3", str(populated["llama"]), "tiny:tiny-qwen3"}
     assert "qwen3 (probed)" in rows["flow-test/tiny-qwen3"] and "injected/hermes_json (verified)" in rows[

@@ -52,3 +52,38 @@ def test_corrupt_store_falls_back_to_detection(tmp_path: Path) -> None:
     db = tmp_path / "broken.sqlite"
     db.write_bytes(b"not a database at all" * 100)
     assert CapabilityStore(db).get("/any/model") is None
+
+
+def test_probe_records_an_embedding_models_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "caps.sqlite"
+    assert main(["probe", "tiny:tiny-bert", "--db", str(db)]) == 0
+    assert "pooling:         mean" in capsys.readouterr().out
+    assert main(["probe", "tiny:tiny-reranker", "--db", str(db)]) == 0
+    bert, reranker = sorted(CapabilityStore(db).all(), key=lambda c: "reranker" in c.model)
+    assert bert.kind == "embeddings" and bert.context_length == 512
+    assert {k: bert.profile[k] for k in ("task", "dims", "pooling", "normalized", "matryoshka")} == {
+        "task": "embed", "dims": 32, "pooling": "mean", "normalized": True, "matryoshka": None}
+    assert reranker.profile["task"] == "score" and len(reranker.evidence["pair_scores"]) == 2
+    assert main(["probe", "--list", "--db", str(db)]) == 0
+    listing = capsys.readouterr().out
+    assert "embeddings, 32 dims, mean pooling" in listing and "rerank (cross-encoder)" in listing
+
+
+def test_a_store_from_before_kinds_keeps_its_rows(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "old.sqlite"
+    with sqlite3.connect(db) as conn:  # the first release's table: no kind, no profile
+        conn.execute("CREATE TABLE capabilities (model TEXT PRIMARY KEY, family TEXT NOT NULL, tool_parser TEXT NOT "
+                     "NULL, reasoning_parser TEXT NOT NULL, tool_delivery TEXT NOT NULL, thinking INTEGER NOT NULL, "
+                     "context_length INTEGER NOT NULL, tool_calls_verified INTEGER NOT NULL, probed_at REAL NOT "
+                     "NULL, evidence TEXT NOT NULL)")
+        conn.execute("INSERT INTO capabilities VALUES ('/m', 'qwen3', 'hermes_json', 'think_tag', 'template', 1, "
+                     "4096, 1, 1.0, '{}')")
+    conn.close()
+    store = CapabilityStore(db)
+    old = store.get("/m")
+    assert old is not None and (old.family, old.kind, old.profile) == ("qwen3", "text", {})
+    store.put(Capabilities(model="/e", family="-", tool_parser="null", reasoning_parser="null", tool_delivery="-",
+                           thinking=False, context_length=512, kind="embeddings", profile={"dims": 32}))
+    assert [c.model for c in store.all()] == ["/e", "/m"] and store.get("/e").profile == {"dims": 32}  # type: ignore[union-attr]
