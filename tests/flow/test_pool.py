@@ -145,3 +145,23 @@ def test_eviction_waits_for_in_flight_requests(tiny_qwen3: Path, tiny_llama: Pat
         assert tokens == 1500 and waited.status_code == 200, waited.text
         assert a_done < b_done  # b loaded only once a's stream was over
         assert pool_stats(server)["loaded"] == ["b"]
+
+
+def test_embedding_models_count_in_the_pool_like_any_other(tiny_qwen3: Path) -> None:
+    from runtime.tiny import ensure_tiny_model
+
+    lazy = {"load": "lazy"}
+    models = {"chat": (tiny_qwen3, lazy), "vectors": (ensure_tiny_model("tiny-bert"), lazy)}
+    with pool_server(models, max_loaded=1) as server:
+        def embed() -> httpx.Response:
+            return httpx.post(server.url + "/embeddings", json={"model": "vectors", "input": ["a", "b c"]}, timeout=60)
+
+        first = embed()
+        assert first.status_code == 200 and pool_stats(server)["loaded"] == ["vectors"]
+        assert ask(server, "chat").status_code == 200
+        stats = pool_stats(server)
+        assert stats["loaded"] == ["chat"] and stats["evictions"] == 1
+        again = embed()  # reloaded after its eviction: the same vectors
+        assert again.status_code == 200 and again.json()["data"] == first.json()["data"]
+        stats = pool_stats(server)
+        assert stats["loaded"] == ["vectors"] and stats["models"]["vectors"] == {"state": "ready", "loads": 2}
