@@ -5,15 +5,20 @@ Theory of operation
 An :class:`Embedder` is a stepper of the device thread (like a text engine).
 Requests hand it their inputs as token-id lists (:meth:`Embedder.submit`, from
 any thread) and wait on a future for their vectors. Each step builds one
-forward pass from the inputs waiting, **round-robin across requests** — one
-input from each waiting request in turn — so a request with 2,000 inputs and
-one with a single input share every pass, until the pass's padded size
-(inputs × longest input) would exceed its budget. When everything waiting fits
-in ``pass_tokens`` it all goes in one pass; when it does not (a large job), a
-pass holds as many padded tokens as the device computes in ``pass_seconds``
-(measured on the passes so far), so that a request arriving behind the large
-job waits for one short pass, not for a long one. A request's inputs are queued shortest
-first, so the passes it takes part in waste little padding.
+forward pass from the inputs waiting:
+
+* when everything waiting fits in ``pass_tokens`` padded tokens (inputs ×
+  longest input), it all goes in one pass;
+* when it does not (a large job), and nobody else waits or has asked in the
+  last second, the large job gets full passes (efficient: nobody is behind it);
+* otherwise a pass holds as many padded tokens as the device computes in
+  ``pass_seconds`` (measured on the passes so far), and the requests such a pass
+  can finish — the one-sentence requests behind a 2,000-input job — get a pass
+  of their own before the large job goes on (never two such passes in a row, so
+  a stream of small requests cannot starve the large one). Other passes take
+  inputs **round-robin across requests**, one from each in turn.
+
+A request's inputs are queued shortest first, so its passes waste little padding.
 
 Inputs are padded on the right with an attention mask: BERT-style encoders
 mean-pool over the mask and decoder-style embedders take the last unmasked
@@ -43,6 +48,10 @@ from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, r
 from runtime.models import ModelNotAvailable
 
 log = logging.getLogger("flow.embeddings")
+
+# A large job alone gets full passes, unless another request arrived behind work this recently: an interactive
+# client sends its next request soon after its last answer, and should not wait for a full pass then.
+CONTENTION_SECONDS = 1.0
 
 
 @dataclass
@@ -78,6 +87,8 @@ class Embedder:
         self._seconds_per_token: float | None = None  # measured: a moving average over passes
         self._jobs: deque[_Job] = deque()  # the round-robin ring
         self._lock = threading.Lock()
+        self._last_arrival = 0.0  # when the latest request arrived behind others (monotonic seconds)
+        self._last_pass_finishing = False  # the last pass served only newcomers: the next one is round-robin
         self.passes = 0
         self.inputs = 0
         self.tokens = 0
@@ -90,6 +101,8 @@ class Embedder:
         job = _Job(inputs, future, deque(sorted(range(len(inputs)), key=lambda i: len(inputs[i]))),
                    np.empty((len(inputs), self.dims), dtype=np.float32), len(inputs))
         with self._lock:
+            if self._jobs:
+                self._last_arrival = time.monotonic()
             self._jobs.append(job)
         self.device.wake()
         return future
@@ -98,33 +111,64 @@ class Embedder:
         return bool(self._jobs)
 
     def _next_pass(self) -> list[tuple[_Job, int]]:
-        """Inputs for one pass: round-robin over the waiting requests, within the padded-token budget."""
-        chosen: list[tuple[_Job, int]] = []
-        longest = 0
+        """Inputs for one pass (see the module docstring): everything, when it all fits; else a pass bounded by
+        time, given to the requests it can finish — newcomers behind a large job — before the large job goes on."""
         with self._lock:
             ring = [job for job in self._jobs if not job.future.cancelled()]
             self._jobs = deque(ring)
-            # Everything waiting fits in one full pass: take it all (nobody is left to wait behind it).
-            # Otherwise a pass lasts about pass_seconds, so that newcomers wait for a short one.
             waiting = [len(job.inputs[i]) for job in ring for i in job.order]
-            whole = bool(waiting) and max(waiting) * len(waiting) <= self.pass_tokens
-            budget = self.pass_tokens if whole else self.budget()
-            while ring:
-                for job in list(ring):
-                    index = job.order[0]
-                    length = max(longest, len(job.inputs[index]))
-                    if chosen and length * (len(chosen) + 1) > budget:
-                        return chosen
-                    job.order.popleft()
-                    chosen.append((job, index))
-                    longest = length
-                    if not job.order:
-                        ring.remove(job)
-                        self._jobs.remove(job)
+            if not waiting:
+                return []
+            if max(waiting) * len(waiting) <= self.pass_tokens or not self._contended(ring):
+                return self._take(ring, self.pass_tokens)  # nobody waits behind this pass: make it efficient
+            budget = self.budget()
+            if not self._last_pass_finishing:
+                finishing = self._finishing(ring, budget)
+                if finishing and len(finishing) < len(ring):
+                    self._last_pass_finishing = True
+                    return self._take(finishing, budget)
+            self._last_pass_finishing = False
+            return self._take(ring, budget)
+
+    def _contended(self, ring: list[_Job]) -> bool:
+        """Other requests wait, or arrived lately (an interactive client sends its next one soon)."""
+        return len(ring) > 1 or time.monotonic() - self._last_arrival < CONTENTION_SECONDS
+
+    @staticmethod
+    def _finishing(ring: list[_Job], budget: int) -> list[_Job]:
+        """The requests that one pass within ``budget`` padded tokens can finish, fewest inputs first."""
+        chosen: list[_Job] = []
+        count, longest = 0, 0
+        for job in sorted(ring, key=lambda j: len(j.order)):
+            job_longest = max(len(job.inputs[i]) for i in job.order)
+            if max(longest, job_longest) * (count + len(job.order)) > budget:
+                break
+            chosen.append(job)
+            count, longest = count + len(job.order), max(longest, job_longest)
+        return chosen
+
+    def _take(self, ring: list[_Job], budget: int) -> list[tuple[_Job, int]]:
+        """Inputs round-robin over ``ring`` (each request's shortest first) until the padded size would pass
+        ``budget``; finished requests leave the queue. Called with the lock held."""
+        chosen: list[tuple[_Job, int]] = []
+        longest = 0
+        ring = list(ring)
+        while ring:
+            for job in list(ring):
+                index = job.order[0]
+                length = max(longest, len(job.inputs[index]))
+                if chosen and length * (len(chosen) + 1) > budget:
+                    return chosen
+                job.order.popleft()
+                chosen.append((job, index))
+                longest = length
+                if not job.order:
+                    ring.remove(job)
+                    self._jobs.remove(job)
         return chosen
 
     def budget(self) -> int:
-        """Padded tokens for the next pass: ``pass_tokens``, or what the device computes in ``pass_seconds``."""
+        """Padded tokens for a pass others wait behind: what the device computes in ``pass_seconds``."""
         if self._seconds_per_token is None:
             return self.pass_tokens
         return max(1, min(self.pass_tokens, int(self.pass_seconds / self._seconds_per_token)))

@@ -1,0 +1,66 @@
+"""How the embedder builds its forward passes: everything at once when it fits, full passes for a large job
+alone, and short passes that finish the small requests behind a large job first (without starving it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.embeddings import Embedder
+
+
+class _Device:
+    """The device thread's stepper interface; the tests call the pass builder directly."""
+
+    def add_stepper(self, stepper: Any) -> None:
+        pass
+
+    def remove_stepper(self, stepper: Any) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def embedder(pass_tokens: int = 1000) -> Embedder:
+    return Embedder(model=None, device=_Device(), pad_id=0, dims=4, pass_tokens=pass_tokens,  # type: ignore[arg-type]
+                    pass_seconds=0.01)
+
+
+def shape(chosen: list[Any]) -> list[int]:
+    """How many inputs of each request (by its input count) a pass holds."""
+    counts: dict[int, int] = {}
+    for job, _ in chosen:
+        counts[len(job.inputs)] = counts.get(len(job.inputs), 0) + 1
+    return [counts.get(n, 0) for n in sorted(counts)]
+
+
+def test_everything_that_fits_goes_in_one_pass() -> None:
+    e = embedder()
+    e.submit([[1] * 10] * 5)
+    e.submit([[1] * 20])
+    assert len(e._next_pass()) == 6 and not e.has_work()
+
+
+def test_a_large_job_alone_gets_full_passes_and_newcomers_a_pass_of_their_own() -> None:
+    e = embedder(pass_tokens=1000)
+    big = e.submit([[1] * 10] * 500)  # 5,000 padded tokens: five full passes
+    e._seconds_per_token = 0.01 / 100  # measured: a 0.01 s pass holds 100 padded tokens
+    assert len(e._next_pass()) == 100  # alone, nobody asked lately: a full pass
+    e.submit([[1] * 8])
+    e.submit([[1] * 12] * 2)
+    first = e._next_pass()  # the passes the newcomers can finish come first, and only they
+    assert shape(first) == [1, 2] and not big.done()
+    second = e._next_pass()  # never two such passes in a row: the large job goes on, within the time budget
+    assert shape(second) == [10] and len(second) * 10 <= 100
+    e.submit([[1] * 5])
+    assert shape(e._next_pass()) == [1]  # the next newcomer is served at once again
+    assert len(e._next_pass()) == 10  # a newcomer arrived lately: the large job keeps short passes
+
+
+def test_round_robin_when_nobody_can_finish_in_one_pass() -> None:
+    e = embedder(pass_tokens=1000)
+    e.submit([[1] * 10] * 300)
+    e.submit([[1] * 10] * 300)
+    e._seconds_per_token = 0.01 / 100
+    chosen = e._next_pass()
+    assert shape(chosen) == [10] and len({id(job) for job, _ in chosen}) == 2  # five from each
