@@ -72,13 +72,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(started_banner)
-            names = ", ".join(
-                m.name + (" (SMOKE-TEST MODEL: random weights, gibberish output)"
-                          if m.loaded is not None and m.loaded.smoke_test else "")
-                for m in server.models
-            )
             print(f"flow: serving graph {graph.name!r} on {', '.join(binds)}", file=sys.stderr)
-            print(f"flow: models: {names}", file=sys.stderr)
+            for m in server.models:
+                loaded = m.loaded or m.embedding
+                what = ("not loaded yet" if loaded is None else
+                        "SMOKE-TEST MODEL: random weights, gibberish output" if loaded.smoke_test else m.source)
+                print(f"flow: model {m.name} ({m.kind or 'kind unknown'}): {what}", file=sys.stderr)
             for route in graph.routes:
                 print(f"flow:   {route.method} {route.path}  ({' -> '.join(route.stages)})", file=sys.stderr)
 

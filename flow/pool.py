@@ -26,7 +26,7 @@ from pydantic import Field
 from flow.resource import Links, Reference, Resource, ResourceConfig
 from flow.resources import ModelResource
 from protocols.errors import ApiError
-from runtime.models import resolve_model_path, weight_bytes_on_disk
+from runtime.models import weight_bytes_on_disk
 
 log = logging.getLogger("flow.pool")
 
@@ -78,7 +78,7 @@ class ModelPool(Resource):
         """Evict least recently used idle models until ``incoming`` fits; wait for room if none is idle."""
         if self._room is None:
             self._room = trio.Lock()
-        path = await trio.to_thread.run_sync(resolve_model_path, incoming.config.path)
+        path = await trio.to_thread.run_sync(incoming.resolve_source)
         incoming_bytes = await trio.to_thread.run_sync(weight_bytes_on_disk, path)
         if self.config.max_bytes is not None and incoming_bytes > self.config.max_bytes:
             raise ApiError("invalid_request", f"Model {incoming.name!r} needs about {incoming_bytes / 2**20:.0f} "

@@ -46,7 +46,11 @@ class LoadGate(Protocol):
 
 
 class ModelConfig(ResourceConfig):
-    path: str = Field(description="local directory, Hugging Face repo id, or tiny:PRESET")
+    path: str = Field(description="local directory, Hugging Face repo id, or tiny:PRESET ($VARS and ~ expand)")
+    fallbacks: list[str] = Field(
+        default_factory=list, description="other sources, tried in order when the ones before are not on this "
+                                          "machine (nothing is downloaded but for the last): a demo serves a real "
+                                          "model where one is present, a smoke-test model otherwise")
     name: str | None = Field(default=None, description="the model id clients use (default: the resource id)")
     aliases: list[str] = Field(default_factory=list, description="other ids that select this model")
     max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
@@ -97,6 +101,7 @@ class ModelResource(Resource):
         super().__init__(resource_id, config, links)
         assert isinstance(config, ModelConfig)
         self.name = config.name or resource_id
+        self.source = config.path  # the source in use: path, or the fallback found (see resolve_source)
         self.loaded: LoadedModel | None = None  # a text model's
         self.embedding: LoadedEmbedder | None = None  # an embedding model's
         self.family: Family = builtin_families()["default"]
@@ -104,7 +109,7 @@ class ModelResource(Resource):
         self.prefix_cache: PrefixCache | None = None  # the prefix cache serving it, if any (set by its serve())
         # Known now if configured or the path is a local directory; else once the path is resolved (a download).
         self.kind: ModelKind | None = None if config.kind == "auto" else config.kind
-        local = Path(config.path).expanduser()
+        local = Path(os.path.expandvars(config.path)).expanduser()
         if self.kind is None and local.is_dir():
             self.kind = detect_kind_of(local)
         self.created = time.time()  # "created" in the model listing: kept across reloads with the resource
@@ -160,9 +165,9 @@ class ModelResource(Resource):
             self._loading = None
 
     async def _load(self, device: DeviceThread) -> None:
-        from runtime.models import ModelNotAvailable, load_model, resolve_model_path  # MLX: once a model loads
+        from runtime.models import ModelNotAvailable, load_model  # MLX: once a model loads
 
-        path: Path = await trio.to_thread.run_sync(resolve_model_path, self.config.path)
+        path: Path = await trio.to_thread.run_sync(self.resolve_source)
         if self.kind is None:
             self.kind = await trio.to_thread.run_sync(detect_kind_of, path)
         if self.kind == "embeddings":
@@ -170,7 +175,7 @@ class ModelResource(Resource):
             return
         if self.kind != "text":
             raise ModelNotAvailable(
-                f"{self.name} ({self.config.path}) is a {self.kind} model; this version of flow serves text "
+                f"{self.name} ({self.source}) is a {self.kind} model; this version of flow serves text "
                 "generation (mlx-lm) and embedding (mlx-embeddings) models. If the detection is wrong, set "
                 "kind = \"text\" or \"embeddings\" on its [resources.*] table.")
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
@@ -180,12 +185,38 @@ class ModelResource(Resource):
         # A probed model is served as the probe showed works; others by family detection.
         probed = CapabilityStore().get(path) if self.config.family == "auto" else None
         self.family = (family_from_capabilities(probed, builtin_families()) if probed is not None else
-                       resolve_family(self.config.family, path, f"{self.name} {self.config.path}",
+                       resolve_family(self.config.family, path, f"{self.name} {self.source}",
                                       getattr(loaded.tokenizer, "chat_template", None)))
         self.loaded, self.last_used = loaded, time.monotonic()
         self.loads += 1
         log.info("model %s ready (%.1f s, family %s)%s", self.name, time.perf_counter() - started, self.family.name,
                  " — SMOKE-TEST MODEL: random weights, output is gibberish" if loaded.smoke_test else "")
+
+    def resolve_source(self) -> Path:
+        """The model's directory: ``path``, else the first of ``fallbacks`` on this machine (the last may be
+        downloaded or built). Blocking: run it on a worker thread."""
+        from runtime.models import ModelNotAvailable, resolve_model_path
+
+        sources = [self.config.path, *self.config.fallbacks]
+        missing: list[str] = []
+        for i, source in enumerate(sources):
+            last = i == len(sources) - 1
+            try:
+                path = resolve_model_path(os.path.expanduser(os.path.expandvars(source)),
+                                          offline=None if last else True)
+            except ModelNotAvailable as exc:
+                if "$" in os.path.expandvars(source) and not last:
+                    continue  # names an unset variable: nothing to report
+                if last:
+                    raise ModelNotAvailable(f"{exc} (also not on this machine: {'; '.join(missing)})" if missing
+                                            else str(exc)) from None
+                missing.append(source)
+                continue
+            if missing and source != self.source:
+                log.info("model %s: serving %s (not on this machine: %s)", self.name, source, ", ".join(missing))
+            self.source = source
+            return path
+        raise AssertionError("unreachable: the last source raises or returns")
 
     async def _load_embedder(self, path: Path, device: DeviceThread) -> None:
         from runtime.embeddings import load_embedder
