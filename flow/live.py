@@ -63,6 +63,21 @@ class RouteTable:
         return tuple(path.rstrip("/").split("/")) if path != "/" else ("",)
 
     def match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
+        """The route for ``method path``. Clients disagree on whether a base URL carries ``/v1``, so one rule
+        for every route: a path no route has is tried once more with a ``/v1`` prefix added, or with one
+        removed (``/messages`` finds ``/v1/messages``, ``/v1/v1/messages`` too)."""
+        try:
+            return self._match(method, path)
+        except NoRoute as exact:
+            if exact.allowed:
+                raise  # the path exists, with other methods: a 405
+            other = path[3:] if path.startswith("/v1/") else "/v1" + path
+            try:
+                return self._match(method, other)
+            except NoRoute as retried:
+                raise retried if retried.allowed else exact from None
+
+    def _match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
         segments = self._segments(path)
         allowed: set[str] = set()
         for pattern, route_method, route in self._patterns:
@@ -119,13 +134,16 @@ class Generation:
     def exit_for_path(self, path: str) -> ExitStage[Any, Any]:
         """The exit stage whose protocol an error on ``path`` is written in: the route whose fixed part is the
         longest prefix of the path (``/v1/messages/batches`` → Anthropic's), else the graph's default exit."""
-        best: tuple[int, Route] | None = None
-        for route in self.graph.routes:
-            fixed = route.path.split("{", 1)[0].rstrip("/")
-            if path == fixed or path.startswith(fixed + "/"):
-                if best is None or len(fixed) > best[0]:
-                    best = (len(fixed), route)
-        return self.exit_stage(best[1].exit if best is not None else self.graph.default_exit)
+        for candidate in (path, path[3:] if path.startswith("/v1/") else "/v1" + path):  # the /v1 rule of match
+            best: tuple[int, Route] | None = None
+            for route in self.graph.routes:
+                fixed = route.path.split("{", 1)[0].rstrip("/")
+                if candidate == fixed or candidate.startswith(fixed + "/"):
+                    if best is None or len(fixed) > best[0]:
+                        best = (len(fixed), route)
+            if best is not None:
+                return self.exit_stage(best[1].exit)
+        return self.exit_stage(self.graph.default_exit)
 
     def routes_text(self) -> str:
         return ", ".join(f"{m} {p}" for m, p in sorted(self.runners))
