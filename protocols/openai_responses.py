@@ -102,7 +102,7 @@ class ReasoningIn(_Lenient):
 
 class ResponsesBody(SessionFields):
     model: str = Field(min_length=1)
-    input: str | list[InputItem] = ""
+    input: str | list[InputItem] | None = None
     instructions: str | None = None
     tools: list[ToolIn] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -166,9 +166,10 @@ class _Conversation:
 
 
 def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
+    if body.input is None:
+        return
     if isinstance(body.input, str):
-        if body.input:
-            conv.message("user", body.input)
+        conv.message("user", body.input)  # "" too: the hosted API answers it (Codex's LM Studio provider warms up so)
         return
     for i, item in enumerate(body.input):
         where = f"input[{i}]"

@@ -266,3 +266,11 @@ def test_completions_bad_requests(qwen3_server: RunningServer, body: dict[str, A
     r = httpx.post(qwen3_server.url + "/completions", json=body)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_an_empty_input_is_answered_as_the_hosted_api_does(qwen3_server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=qwen3_server.url, api_key="none")
+    warm_up = client.responses.create(model="tiny", input="", max_output_tokens=2)  # Codex's LM Studio warm-up
+    assert warm_up.status in ("completed", "incomplete") and warm_up.usage is not None
+    missing = httpx.post(qwen3_server.url + "/responses", json={"model": "tiny"}, timeout=30)
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input"
