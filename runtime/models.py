@@ -150,7 +150,19 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
     from runtime.prefix_cache import namespace_of
 
     engine = Engine(model, device, engine_config, prefix, namespace_of(model_identity(path)))
-    return LoadedModel(name, path, model, tokenizer, engine, config, seconds, weight_bytes)
+    loaded = LoadedModel(name, path, model, tokenizer, engine, config, seconds, weight_bytes)
+    _allow_context_length(tokenizer, loaded.context_length)
+    return loaded
+
+
+def _allow_context_length(tokenizer: Any, context_length: int) -> None:
+    """A tokenizer_config's model_max_length below the model's context (Qwen3 ships 32,768 for a 40,960
+    context) makes transformers warn on every long prompt the model can take: raise it to the context; the
+    server checks prompt lengths itself."""
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    limit = getattr(inner, "model_max_length", None)
+    if isinstance(limit, int) and limit < context_length:
+        inner.model_max_length = context_length
 
 
 def unload_model(loaded: LoadedModel, device: DeviceThread) -> None:
