@@ -1,7 +1,7 @@
 """Anthropic Messages: request schema, decoding to IR, wire encoding, error shapes.
 
 Decoding is lenient where Claude Code and the SDKs send things a local model
-has no use for (``cache_control``, ``metadata``, ``output_config``,
+has no use for (``cache_control``, ``metadata``, ``output_config`` but its ``format``,
 ``context_management``, server tools, beta headers): they are accepted and
 ignored, never rejected. Content blocks map onto the chat-template message
 shape every family template understands:
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from protocols.cache_fields import cache_control_ttl
 from protocols.errors import STATUS, ApiError
+from protocols.output_format import decode_response_format
 from protocols.ir import (
     CachePolicy,
     ChatRequest,
@@ -157,6 +158,7 @@ class MessagesBody(_Lenient):
     tool_choice: ToolChoiceIn | None = None
     thinking: ThinkingIn | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     @field_validator("stop_sequences")
     @classmethod
@@ -288,6 +290,7 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         tools=_tools(parsed),
         tool_choice=_tool_choice(parsed.tool_choice),
         parallel_tool_calls=not (parsed.tool_choice and parsed.tool_choice.disable_parallel_tool_use),
+        response_format=decode_response_format((parsed.output_config or {}).get("format"), "output_config.format"),
         thinking=thinking,
         request_id=request_id,
         created=created,

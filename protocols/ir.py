@@ -77,6 +77,18 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Output the request constrains generation to: any JSON object, or JSON matching ``schema`` (``strict``:
+    keywords the grammar compiler does not implement are errors, not ignored). Protocol-neutral: OpenAI's
+    ``response_format`` and ``text.format``, Anthropic's ``output_config.format``."""
+
+    type: Literal["json_object", "json_schema"]
+    schema: dict[str, Any] | None = None
+    name: str = ""
+    strict: bool = False
+
+
 CacheMode = Literal["full", "prefix"]
 
 
@@ -146,6 +158,7 @@ class ChatRequest:
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function-tool shape: {"type": "function", "function": {...}}
     tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" | "required" | {"name": ...}
     parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None  # None: free text
     thinking: bool | None = None  # None: the model's default
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     # A raw prompt (legacy completions): used as is, no chat template. Text or token ids.

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from protocols.codec import SSE_COMMENT_KEEPALIVE
 from protocols.cache_fields import SessionFields
 from protocols.errors import STATUS, ApiError
+from protocols.output_format import decode_response_format
 from protocols.ir import (
     ChatRequest,
     FinalResult,
@@ -160,6 +161,7 @@ class ChatCompletionBody(OpenAISamplingFields):
     parallel_tool_calls: bool = True
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 def _content_text(content: str | list[Any] | None, where: str) -> str:
@@ -227,6 +229,7 @@ def decode_chat_body(parsed: ChatCompletionBody, request_id: str, created: int) 
         tool_choice=({"name": parsed.tool_choice.function.name} if isinstance(parsed.tool_choice, NamedToolChoice)
                      else parsed.tool_choice),
         parallel_tool_calls=parsed.parallel_tool_calls,
+        response_format=decode_response_format(parsed.response_format, "response_format"),
         # reasoning_effort "none" switches thinking off; any other effort switches it on.
         thinking=None if parsed.reasoning_effort is None else parsed.reasoning_effort not in ("none", "minimal"),
         chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),

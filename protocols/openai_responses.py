@@ -46,6 +46,7 @@ from protocols.ir import (
     Usage,
 )
 from protocols.openai_chat import error_body, error_json, error_status
+from protocols.output_format import decode_response_format, encode_text_format
 from protocols.sse import event_frame
 from protocols.validation import json_object_argument, parse_json_body
 
@@ -100,6 +101,10 @@ class ReasoningIn(_Lenient):
     effort: str | None = None
 
 
+class TextIn(_Lenient):
+    format: dict[str, Any] | None = None
+
+
 class ResponsesBody(SessionFields):
     model: str = Field(min_length=1)
     input: str | list[InputItem] | None = None
@@ -114,6 +119,7 @@ class ResponsesBody(SessionFields):
     store: bool = True
     previous_response_id: str | None = None
     reasoning: ReasoningIn | None = None
+    text: TextIn | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -253,6 +259,8 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         "tools": [t.model_dump(exclude_none=True) for t in parsed.tools or () if t.type == "function"],
         "metadata": parsed.metadata or {}, "user": parsed.user,
     }
+    response_format = decode_response_format(parsed.text.format if parsed.text else None, "text.format")
+    echo["text"] = {"format": encode_text_format(response_format)}
     return ChatRequest(
         model=parsed.model,
         messages=tuple(conv.messages),
@@ -263,6 +271,7 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         tools=_tools(parsed),
         tool_choice=_tool_choice(parsed.tool_choice),
         parallel_tool_calls=parsed.parallel_tool_calls,
+        response_format=response_format,
         thinking=None if effort is None else effort not in ("none", "minimal"),
         request_id=request_id,
         created=created,

@@ -110,6 +110,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, TokenLogprob
 from runtime.device import DeviceThread
+from runtime.constrained import Constraint
 from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 from runtime.engine_config import EngineConfig, EngineOverloaded
@@ -318,21 +319,23 @@ class Engine:
         return hit if hit.blocks else None
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
-               prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy()) -> SequenceHandle:
+               prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy(),
+               constraint: Constraint | None = None) -> SequenceHandle:
         """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
 
         ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
         takes over its references (also when it refuses the sequence).
-        ``policy`` says what of the sequence the prefix cache keeps.
+        ``policy`` says what of the sequence the prefix cache keeps; ``constraint`` (structured output) masks
+        the tokens its grammar does not allow at each step.
         """
         try:
-            return self._submit(prompt, max_tokens, stop_ids, sampling, prefix, policy)
+            return self._submit(prompt, max_tokens, stop_ids, SequenceSampler(sampling, constraint), prefix, policy)
         except BaseException:
             if prefix is not None and self.prefix is not None:
                 self.prefix.release(prefix)
             raise
 
-    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
+    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], sampler: SequenceSampler,
                 prefix: PrefixHit | None, policy: CachePolicy) -> SequenceHandle:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
@@ -351,7 +354,7 @@ class Engine:
         send, receive = trio.open_memory_channel[TokenChunk](float("inf"))
         handle = SequenceHandle(self, next(self._ids), send, receive)
         seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
-                        max_tokens=max_tokens, stop_ids=stop_ids, sampler=SequenceSampler(sampling),
+                        max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
                         policy=policy, hit=prefix, prefilled=cached_tokens,
                         keys=prefix.keys if prefix is not None else None)
         handle.cached_tokens = cached_tokens
@@ -639,6 +642,9 @@ class Engine:
         sample = sample_batch(logits, [s.sampler for s in seqs], contexts)
         mx.eval(sample.tokens, *(sample.report.arrays() if sample.report else ()), [c.state for c in rows.cache])
         tokens: list[int] = sample.tokens.tolist()  # type: ignore[assignment]
+        for seq, token in zip(seqs, tokens):
+            if seq.sampler.constraint is not None:
+                seq.sampler.constraint.consume(token)
         logprobs: dict[_Sequence, TokenLogprob] = {}
         if sample.report is not None:
             wanted = [seqs[r] for r in sample.report.rows]
@@ -706,12 +712,24 @@ class Engine:
             recent = seq.history[-(seq.sampler.history_window - 1):] if seq.sampler.history_window > 1 else []
             current = inputs[i : i + 1]
             contexts.append(mx.concatenate([mx.array(recent, dtype=mx.uint32), current]) if recent else current)
+        constrained = [s for s in batch.seqs if s.sampler.constraint is not None]
+        values: list[int] | None = None
+        if constrained:
+            # A grammar's mask for this step depends on the token sampled last step: read it first (the
+            # device waits for Python here; batches without constrained rows keep the overlap).
+            values = inputs.tolist()  # type: ignore[assignment]
+            assert values is not None
+            for i, seq in enumerate(batch.seqs):
+                if seq.sampler.constraint is not None and not seq.fresh:  # fresh: consumed when sampled
+                    seq.sampler.constraint.consume(values[i])
         sample = sample_batch(logits, [s.sampler for s in batch.seqs], contexts)
         launch = [sample.tokens, *(sample.report.arrays() if sample.report else ())]
         if self._launch_first:
             # The device computes this step while Python reads and hands out the last one.
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
-        values: list[int] = inputs.tolist()  # type: ignore[assignment]
+        if values is None:
+            values = inputs.tolist()  # type: ignore[assignment]
+            assert values is not None
         logprobs = self._read_report(batch, values)
         keep: list[int] = []
         emitted = 0

@@ -3,6 +3,8 @@
 A model reference is one of:
 
 * a local directory (``./models/my-model``, ``/abs/path``, ``~/models/x``);
+* a GGUF file (``~/models/x.Q4_K_M.gguf``, or any part of a split one): imported once into the
+  model cache as an MLX directory (see :mod:`runtime.gguf_import`), then served from there;
 * ``tiny:PRESET``: a random-weight smoke-test model built locally on first use
   (see :mod:`runtime.tiny`);
 * a Hugging Face Hub repository id (``mlx-community/Qwen3-0.6B-4bit``): the
@@ -19,6 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,7 @@ from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig
 
 if TYPE_CHECKING:  # MLX is imported when a model loads, not when a graph is compiled or checked
+    from runtime.constrained import GrammarCompiler
     from runtime.engine import Engine
     from runtime.prefix_cache import PrefixCache
 
@@ -60,6 +64,10 @@ def resolve_model_path(ref: str, *, offline: bool | None = None) -> Path:
             )
         return ensure_tiny_model(preset)
     local = Path(ref).expanduser()
+    if not local.is_dir() and ref.lower().endswith(".gguf"):
+        from runtime.gguf_import import import_gguf  # numpy and gguf: only when a GGUF is named
+
+        return import_gguf(local).path  # imported once into the model cache, reused after
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelNotAvailable(f"{local} is a directory but has no config.json; it is not an MLX model.")
@@ -122,6 +130,14 @@ class LoadedModel:
     @property
     def smoke_test(self) -> bool:
         return bool(self.config.get("flow_smoke_test"))
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model (its vocabulary data is built on first use)."""
+        from runtime.constrained import GrammarCompiler
+
+        ends = getattr(self.tokenizer, "eos_token_ids", None) or [self.tokenizer.eos_token_id]
+        return GrammarCompiler(self.tokenizer, self.vocab_size, tuple(sorted(int(t) for t in ends if t is not None)))
 
 
 def load_model(name: str, path: Path, device: DeviceThread, engine_config: EngineConfig,

@@ -20,6 +20,10 @@ neighbours. So
 * sampled rows draw with the sequence's own key, split once per token, so a
   seeded request gives the same text alone or inside any batch.
 
+Rows with a grammar constraint (structured output) get their disallowed tokens
+set to -inf before sampling, from the mask their matcher computed for this step;
+unconstrained rows are left as they are.
+
 Rows that asked for logprobs get the sampled token's log-probability and the
 top alternatives as three small arrays (:class:`LogprobReport`), read with one
 ``tolist()`` per array per step rather than per token.
@@ -32,18 +36,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from protocols.ir import SamplingParams, TokenLogprob
+from runtime.constrained import Constraint
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
 class SequenceSampler:
-    """One sequence's sampling state: its processors and, when it samples, its random key."""
+    """One sequence's sampling state: its processors, its grammar constraint if any, and, when it samples, its
+    random key."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
+        self.constraint = constraint
         self.processors: list[LogitsProcessor] = make_logits_processors(
             logit_bias=dict(params.logit_bias) or None,
             repetition_penalty=params.repetition_penalty,
@@ -122,6 +130,24 @@ def _runs(flags: Sequence[bool]) -> list[tuple[int, int, bool]]:
     return runs
 
 
+def _masked(logits: mx.array, masks: Sequence[np.ndarray | None]) -> mx.array:
+    """``logits`` with the disallowed tokens of constrained rows at -inf; other rows untouched (no copy of
+    them is made beyond the final concatenation)."""
+    parts = []
+    floor = mx.array(-mx.inf, dtype=logits.dtype)
+    for start, stop, constrained in _runs([m is not None for m in masks]):
+        if not constrained:
+            parts.append(logits[start:stop])
+            continue
+        allowed = np.stack([m for m in masks[start:stop] if m is not None])
+        width = logits.shape[-1]
+        if allowed.shape[1] != width:  # the grammar's vocabulary and the logits' may differ in padding
+            allowed = allowed[:, :width] if allowed.shape[1] > width else np.pad(
+                allowed, ((0, 0), (0, width - allowed.shape[1])))
+        parts.append(mx.where(mx.array(allowed), logits[start:stop], floor))
+    return mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
 def sample_batch(logits: mx.array, samplers: Sequence[SequenceSampler],
                  contexts: Sequence[mx.array | None]) -> BatchSample:
     """Next token for every row of ``logits`` (``[B, vocab]``), lazily.
@@ -140,6 +166,9 @@ def sample_batch(logits: mx.array, samplers: Sequence[SequenceSampler],
                 assert context is not None
                 parts.append(samplers[i].process(logits[i : i + 1], context))
         logits = mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    masks = [s.constraint.allowed() if s.constraint is not None else None for s in samplers]
+    if any(m is not None for m in masks):
+        logits = _masked(logits, masks)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     tokens = mx.argmax(logprobs, axis=-1)
     if not all(s.greedy for s in samplers):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 
@@ -10,8 +10,16 @@ from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import Outbox, Stage
 from protocols.errors import ApiError
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from runtime.constrained import ANY_JSON_OBJECT, Reasoning
 from runtime.engine_config import EngineOverloaded
 from stages.chat import ModelStageConfig
+
+if TYPE_CHECKING:
+    from flow.families import Family
+    from runtime.constrained import Constraint
+    from runtime.models import LoadedModel
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the think_tag reasoning parser's markers
 
 
 def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChunk]) -> TokenChunk:
@@ -39,6 +47,29 @@ def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChun
     return TokenChunk(tuple(tokens), finish, tuple(logprobs)) if merged else chunk
 
 
+async def output_constraint(prompt: PreparedPrompt, loaded: LoadedModel, family: Family) -> Constraint | None:
+    """The grammar a request's ``response_format`` asks for, compiled for the model (on a worker thread: the
+    model's vocabulary data is built at its first structured request); a 400 naming what cannot be compiled.
+    A reasoning model may think first: the grammar starts after its thinking block."""
+    fmt = prompt.request.response_format
+    if fmt is None:
+        return None
+    from runtime.constrained import Grammar, GrammarError
+
+    grammar = Grammar.json_schema(fmt.schema if fmt.schema is not None else ANY_JSON_OBJECT, fmt.strict)
+    reasoning = None
+    if family.reasoning.parser == "think_tag" and prompt.request.thinking is not False:
+        encode = loaded.tokenizer.encode
+        reasoning = Reasoning(tuple(encode(THINK_OPEN, add_special_tokens=False)),
+                              tuple(encode(THINK_CLOSE, add_special_tokens=False)),
+                              inside=prompt.text.rstrip().endswith(family.reasoning.open_tag))
+    try:
+        return await trio.to_thread.run_sync(loaded.grammars.constraint, grammar, reasoning)
+    except GrammarError as exc:
+        raise ApiError("invalid_request", f"The response format's schema cannot be enforced: {exc}.",
+                       param="response_format") from None
+
+
 class Generate(Stage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate"
     input_type: ClassVar[Any] = PreparedPrompt
@@ -53,13 +84,17 @@ class Generate(Stage[PreparedPrompt, Generation]):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         async for prompt in inbox:
-            engine = self.models.lookup(prompt.model).require().engine
+            resource = self.models.lookup(prompt.model)
+            loaded = resource.require()
+            engine = loaded.engine
+            constraint = await output_constraint(prompt, loaded, resource.family)
             tokens = list(prompt.token_ids)
             policy = prompt.request.cache
             hit = await engine.match_prefix(tokens, policy)
             try:
                 handle = engine.submit(tokens, max_tokens=prompt.max_tokens, stop_ids=prompt.stop_token_ids,
-                                       sampling=prompt.request.sampling, prefix=hit, policy=policy)
+                                       sampling=prompt.request.sampling, prefix=hit, policy=policy,
+                                       constraint=constraint)
             except EngineOverloaded as exc:
                 raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                                f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
