@@ -9,8 +9,10 @@ import trio
 from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import Outbox, Stage
 from protocols.errors import ApiError
-from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
-from runtime.constrained import ANY_JSON_OBJECT, Reasoning
+from protocols.ir import ChatRequest, Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from protocols.parsers import TOOL_PARSERS
+from protocols.parsers.base import tool_schemas
+from runtime.constrained import ANY_JSON_OBJECT, Grammar, GrammarError, Reasoning
 from runtime.engine_config import EngineOverloaded
 from stages.chat import ModelStageConfig
 
@@ -48,26 +50,48 @@ def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChun
 
 
 async def output_constraint(prompt: PreparedPrompt, loaded: LoadedModel, family: Family) -> Constraint | None:
-    """The grammar a request's ``response_format`` asks for, compiled for the model (on a worker thread: the
-    model's vocabulary data is built at its first structured request); a 400 naming what cannot be compiled.
+    """The grammar a request asks for — a forced tool call in the family's call format (``tool_choice`` naming
+    a tool, or ``required``), else its ``response_format`` — compiled for the model on a worker thread (the
+    model's vocabulary data is built at its first constrained request); a 400 naming what cannot be compiled.
     A reasoning model may think first: the grammar starts after its thinking block."""
-    fmt = prompt.request.response_format
-    if fmt is None:
+    request = prompt.request
+    grammars = forced_call_grammars(request, family)
+    if not grammars and request.response_format is not None:
+        fmt = request.response_format
+        grammars = (Grammar.json_schema(fmt.schema if fmt.schema is not None else ANY_JSON_OBJECT, fmt.strict),)
+    if not grammars:
         return None
-    from runtime.constrained import Grammar, GrammarError
-
-    grammar = Grammar.json_schema(fmt.schema if fmt.schema is not None else ANY_JSON_OBJECT, fmt.strict)
     reasoning = None
-    if family.reasoning.parser == "think_tag" and prompt.request.thinking is not False:
+    if family.reasoning.parser == "think_tag" and request.thinking is not False:
         encode = loaded.tokenizer.encode
         reasoning = Reasoning(tuple(encode(THINK_OPEN, add_special_tokens=False)),
                               tuple(encode(THINK_CLOSE, add_special_tokens=False)),
                               inside=prompt.text.rstrip().endswith(family.reasoning.open_tag))
-    try:
-        return await trio.to_thread.run_sync(loaded.grammars.constraint, grammar, reasoning)
-    except GrammarError as exc:
-        raise ApiError("invalid_request", f"The response format's schema cannot be enforced: {exc}.",
-                       param="response_format") from None
+    for i, grammar in enumerate(grammars):
+        try:
+            return await trio.to_thread.run_sync(loaded.grammars.constraint, grammar, reasoning)
+        except GrammarError as exc:
+            if i + 1 < len(grammars):
+                continue  # the next way of writing the same format
+            param = "tool_choice" if grammar.kind == "lark" else "response_format"
+            raise ApiError("invalid_request", f"The {param} cannot be enforced: {exc}.", param=param) from None
+    return None
+
+
+def forced_call_grammars(request: ChatRequest, family: Family) -> tuple[Grammar, ...]:
+    """Grammars for the one tool call a request forces, in the family's call format (none when the request
+    forces no call, or the format has no grammar: then the choice is only asked for in the prompt)."""
+    choice = request.tool_choice
+    if not request.tools or choice in (None, "auto", "none"):
+        return ()
+    schemas = tool_schemas(request.tools)
+    if isinstance(choice, dict):
+        name = choice.get("name")
+        schemas = {name: schemas[name]} if isinstance(name, str) and name in schemas else {}
+    if not schemas:
+        return ()
+    parser = TOOL_PARSERS.get(family.tools.parser)
+    return tuple(Grammar.lark(text) for text in parser.forced_call_grammars(schemas)) if parser else ()
 
 
 class Generate(Stage[PreparedPrompt, Generation]):

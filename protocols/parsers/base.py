@@ -172,13 +172,38 @@ def tool_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, A
     return out
 
 
+# JSON as models write it in calls, with no free whitespace (a grammar must not let a weak model loop on spaces).
+CALL_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def forced_call_schema(tools: Mapping[str, Mapping[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
+    """The JSON schema of one call object ``{"name": ..., arguments_key: {...}}`` to one of ``tools``
+    (name → parameters schema), for a grammar that forces a tool call."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
+                "properties": {"name": {"const": name}, arguments_key: dict(parameters) or {"type": "object"}}}
+               for name, parameters in tools.items()]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": CALL_JSON_STYLE}
+
+
 class ToolParser(StreamParser):
     """Base of tool-call parsers: the request's tools, the id factory, call numbering.
 
     Calls to names that are not among the request's tools are still reported (the
     client decides what to do with them, as with any hallucinated call); their
     values are converted without a schema.
+
+    A format that can be written as a grammar says so in :meth:`forced_call_grammars`: a
+    request that forces a call (``tool_choice`` naming a tool, or ``required``) is then
+    constrained to one well-formed call whose arguments match the tool's schema.
     """
+
+    @classmethod
+    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+        """Lark grammars (llguidance dialect) for exactly one call to one of ``tools`` (name → parameters
+        schema), most faithful first (the next is tried when the model's vocabulary cannot compile one);
+        none: the format has no grammar, the choice is only asked for in the prompt."""
+        return ()
 
     def __init__(
         self, tools: Sequence[Mapping[str, Any]] = (), *, id_factory: IdFactory = new_call_id

@@ -7,10 +7,12 @@ A call is ``{"name": ..., "arguments": {...}}`` (``"parameters"`` is accepted fo
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from protocols.parsers.base import JSON, Call, call_from_json, make_call
+from protocols.parsers.base import JSON, Call, call_from_json, forced_call_schema, make_call
 from protocols.parsers.markup import Brackets, Lead, MarkupToolParser, Parsed
 
 
@@ -45,6 +47,13 @@ class HermesJsonParser(MarkupToolParser):
     output is a call if its JSON is complete; a truncated one is content."""
 
     blocks = (("<tool_call>", "</tool_call>"),)
+
+    @classmethod
+    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+        call = json.dumps(forced_call_schema(tools))
+        # The markers as the vocabulary's own tokens (Qwen, Hermes), else as text.
+        return (f'start: <tool_call> "\\n" call "\\n" </tool_call>\ncall: %json {call}',
+                f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}')
 
     def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
         calls = json_calls(body)
@@ -114,6 +123,10 @@ class Llama3JsonParser(MarkupToolParser):
 
     def make_lead(self) -> Lead | None:
         return _Llama3Lead()
+
+    @classmethod
+    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+        return (f"start: call\ncall: %json {json.dumps(forced_call_schema(tools, 'parameters'))}",)
 
     def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
         return None  # no markup blocks

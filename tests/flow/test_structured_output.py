@@ -176,3 +176,48 @@ def test_schemas_that_cannot_be_enforced_are_a_400(qwen3_server: RunningServer) 
     assert error({"type": "json_schema", "json_schema": {"name": "x"}})["param"] == "response_format.json_schema.schema"
     assert error({"type": "yaml"})["param"] == "response_format.type"
     assert error("json")["param"] == "response_format"
+    bogus_tool = {"type": "function", "function": {"name": "f", "parameters": obj({"d": {"type": "string",
+                                                                                          "format": "bogus"}})}}
+    answer = httpx.post(qwen3_server.url + "/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 4, "tools": [bogus_tool], "tool_choice": "required",
+        **NO_THINKING})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
+    assert "bogus" in answer.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                            "parameters": obj({"city": WORD, "days": {"type": "integer", "minimum": 1,
+                                                                                       "maximum": 7}})}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a zone.",
+                                         "parameters": obj({"zone": {"enum": ["UTC", "CET"]}})}}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # hermes <tool_call> markup; Llama 3 bare JSON
+def test_a_forced_tool_call_is_well_formed_with_valid_arguments(qwen3_server: RunningServer,
+                                                                llama_server: RunningServer, family: str) -> None:
+    server = qwen3_server if family == "qwen3" else llama_server
+    params = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+    for choice, names in (({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+                          ("required", {"get_weather", "get_time"})):
+        answer = chat(server, tools=[WEATHER, TIME], tool_choice=choice)["choices"][0]
+        assert answer["finish_reason"] == "tool_calls", answer
+        (call,) = answer["message"]["tool_calls"]
+        assert call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params[call["function"]["name"]])
+
+
+def test_forced_tool_calls_in_responses_and_messages(qwen3_server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=qwen3_server.url, api_key="none")
+    response = client.responses.create(
+        model="tiny", input="Weather?", max_output_tokens=100, reasoning={"effort": "none"}, temperature=0,
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}],
+        tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    message = anthropic.Anthropic(base_url=qwen3_server.base_url, api_key="none").messages.create(
+        model="tiny", max_tokens=100, messages=MESSAGES, thinking={"type": "disabled"},  # type: ignore[arg-type]
+        tools=[{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0})
+    (use,) = [block for block in message.content if block.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER["function"]["parameters"])
