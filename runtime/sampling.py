@@ -131,21 +131,16 @@ def _runs(flags: Sequence[bool]) -> list[tuple[int, int, bool]]:
 
 
 def _masked(logits: mx.array, masks: Sequence[np.ndarray | None]) -> mx.array:
-    """``logits`` with the disallowed tokens of constrained rows at -inf; other rows untouched (no copy of
-    them is made beyond the final concatenation)."""
-    parts = []
-    floor = mx.array(-mx.inf, dtype=logits.dtype)
-    for start, stop, constrained in _runs([m is not None for m in masks]):
-        if not constrained:
-            parts.append(logits[start:stop])
-            continue
-        allowed = np.stack([m for m in masks[start:stop] if m is not None])
-        width = logits.shape[-1]
-        if allowed.shape[1] != width:  # the grammar's vocabulary and the logits' may differ in padding
-            allowed = allowed[:, :width] if allowed.shape[1] > width else np.pad(
-                allowed, ((0, 0), (0, width - allowed.shape[1])))
-        parts.append(mx.where(mx.array(allowed), logits[start:stop], floor))
-    return mx.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    """``logits`` with the disallowed tokens of constrained rows at -inf, in one operation over the batch (the
+    rows without a mask keep every token)."""
+    rows, width = logits.shape
+    allowed = np.ones((rows, width), dtype=bool)
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            n = min(width, mask.shape[0])  # the grammar's vocabulary and the logits' may differ in padding
+            allowed[i, :n] = mask[:n]
+            allowed[i, n:] = False
+    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 def sample_batch(logits: mx.array, samplers: Sequence[SequenceSampler],

@@ -72,9 +72,10 @@ class RequestResult:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int,
-                     on_first: Callable[[], None] | None = None) -> RequestResult:
+                     on_first: Callable[[], None] | None = None, extra: dict[str, Any] | None = None
+                     ) -> RequestResult:
     body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     result = RequestResult(ok=False, start=time.perf_counter())
     chunks = 0
     try:
