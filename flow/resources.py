@@ -9,6 +9,7 @@ model loads, so compiling, checking and drawing graphs never imports MLX.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import time
@@ -52,7 +53,8 @@ class ModelConfig(ResourceConfig):
                                           "machine (nothing is downloaded but for the last): a demo serves a real "
                                           "model where one is present, a smoke-test model otherwise")
     name: str | None = Field(default=None, description="the model id clients use (default: the resource id)")
-    aliases: list[str] = Field(default_factory=list, description="other ids that select this model")
+    aliases: list[str] = Field(default_factory=list, description="other ids that select this model; glob patterns "
+                                                                   "(claude-*, *) answer ids no model names exactly")
     max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
     prefill_chunk: int = Field(default=512, ge=16, description="prompt tokens prefilled per engine step")
     strategy: Strategy = Field(
@@ -121,7 +123,13 @@ class ModelResource(Resource):
 
     @property
     def ids(self) -> list[str]:
-        return [self.name, *self.config.aliases]
+        """The exact ids that select this model: its name and plain aliases."""
+        return [self.name, *(a for a in self.config.aliases if not is_pattern(a))]
+
+    @property
+    def patterns(self) -> list[str]:
+        """Glob aliases (``claude-*``): ids no model names exactly that this one answers."""
+        return [a for a in self.config.aliases if is_pattern(a)]
 
     @property
     def ready(self) -> bool:
@@ -312,14 +320,23 @@ class ModelSet:
 
     def __init__(self, models: Iterable[ModelResource]) -> None:
         self._by_id: dict[str, ModelResource] = {}
+        self._patterns: list[tuple[str, ModelResource]] = []  # in graph order: the first match answers
         for model in models:
             for model_id in model.ids:
                 self._by_id.setdefault(model_id, model)
+            self._patterns.extend((pattern, model) for pattern in model.patterns)
+
+    def find(self, model_id: str) -> ModelResource | None:
+        """The model an exact id names, else the first whose glob alias matches it."""
+        found = self._by_id.get(model_id)
+        if found is None:
+            found = next((m for pattern, m in self._patterns if fnmatch.fnmatchcase(model_id, pattern)), None)
+        return found
 
     def lookup(self, model_id: str, kind: ModelKind = "text") -> ModelResource:
         """The model ``model_id`` names, which must be of ``kind`` (a model whose kind is not known yet — a
         lazy one from the hub — is checked when it loads)."""
-        found = self._by_id.get(model_id)
+        found = self.find(model_id)
         if found is None:
             raise ApiError(
                 "not_found",
@@ -334,6 +351,10 @@ class ModelSet:
                            f"and cannot serve this {kind} request. Models that can: "
                            f"{', '.join(able) or '(none on this server)'}.", param="model", code="wrong_model_kind")
         return found
+
+
+def is_pattern(alias: str) -> bool:
+    return any(c in alias for c in "*?[")
 
 
 def _article(word: str) -> str:

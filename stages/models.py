@@ -2,7 +2,8 @@
 
 One body both SDKs read: OpenAI's ``{object: "list", data: [{id, object, created, owned_by}]}`` and
 Anthropic's ``{data: [{type, id, display_name, created_at}], has_more, first_id, last_id}`` (each ignores
-the other's fields). Aliases are listed as models of their own with ``alias_of``. Being a stage, the
+the other's fields). Aliases are listed as models of their own with ``alias_of``; glob aliases (``claude-*``)
+are not listed, but an id they match is found. Being a stage, the
 listing is on the graph's routes: a graph may drop it, move it, or list only some models (``models``).
 """
 
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from flow.resources import MODEL_REFERENCES, ModelResource
+from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import StageConfig
 from protocols import openai_chat
 from protocols.errors import ApiError
@@ -77,6 +78,8 @@ class ModelsList(EndpointStage):
             return {"object": "list", "data": data, "has_more": False,
                     "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
         found = next((entry for entry in data if entry["id"] == model_id), None)
+        if found is None and (model := ModelSet(self.models).find(model_id)) is not None:
+            found = {**model_entries(model)[0], "id": model_id, "display_name": model_id, "alias_of": model.name}
         if found is None:
             raise ApiError("not_found", f"The model {model_id!r} does not exist on this server. Available "
                            f"models: {', '.join(e['id'] for e in data) or '(none)'}.", param="model",
