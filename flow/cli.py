@@ -1,4 +1,4 @@
-"""``flow``: serve, check, viz, stages, probe, models, families, bench."""
+"""``flow``: serve, check, viz, stages, probe, models, families, import, bench."""
 
 from __future__ import annotations
 
@@ -38,9 +38,18 @@ def _load_graph(path: str, *, model: str | None = None) -> CompiledGraph:
     table: dict[str, Any] = tables["resources"][models[0]]
     old_ids = [table.get("name") or models[0], *table.get("aliases", [])]
     table["path"] = model
-    table["name"] = Path(model.rstrip("/")).name or model
+    table["name"] = _served_name(model)
     table["aliases"] = [i for i in old_ids if i != table["name"]]
     return compile_tables(tables, path)
+
+
+def _served_name(model: str) -> str:
+    """The id ``--model`` is served under: the directory's name, a GGUF's name without its suffixes."""
+    if model.lower().endswith(".gguf"):
+        from runtime.gguf_import import gguf_model_name
+
+        return gguf_model_name(model)
+    return Path(model.rstrip("/")).name or model
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -326,6 +335,20 @@ def cmd_families(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from runtime.gguf_import import GGUFImportError, import_gguf
+
+    try:
+        result = import_gguf(args.file, dtype=args.dtype, out=Path(args.out) if args.out else None)
+    except GGUFImportError as exc:
+        print(f"flow import: {exc}", file=sys.stderr)
+        return 1
+    done = "already imported" if result.reused else f"imported in {result.seconds:.0f} s"
+    print(f"{done} ({result.dtype}): {result.path}")
+    print(f"serve it: flow serve default --model {result.path}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from flow.bench import main as bench_main
 
@@ -340,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve a graph over HTTP")
     p.add_argument("graph", help="graph file, or a bundled graph's name (works from any directory): "
                                  "`flow serve demo` (tiny smoke-test model), `flow serve default`")
-    p.add_argument("--model", help="local model directory or Hugging Face repo id (replaces the graph's model)")
+    p.add_argument("--model", help="local model directory, GGUF file (imported once) or Hugging Face repo id "
+                                   "(replaces the graph's model)")
     p.add_argument("--host", help="address to listen on (default: the graph's, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: the graph's, 8080)")
     p.add_argument("--api-key", default=os.environ.get("FLOW_API_KEY") or None,
@@ -368,6 +392,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("families", help="list the model families flow knows: detection, tool and reasoning parsers")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of text")
     p.set_defaults(func=cmd_families)
+
+    p = sub.add_parser("import", help="import a GGUF file (llama.cpp, Ollama, LM Studio) as an MLX model directory")
+    p.add_argument("file", help="the .gguf file; for a split GGUF (x-00001-of-00003.gguf) any part")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16", "q4", "q8"], default="auto",
+                   help="weights as float, or re-quantized by MLX to 4 or 8 bits (default auto: the file's own "
+                        "precision class: float stays float, 5-8 bit becomes q8, 4 bit and less q4)")
+    p.add_argument("--out", help="directory to write (default: the model cache, ~/.cache/flow/gguf/…)")
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("check", help="compile graph files and report every error")
     p.add_argument("graphs", nargs="+", help="graph files or bundled graph names (default, demo)")
