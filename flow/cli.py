@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 
 def _load_graph(path: str, *, model: str | None = None) -> CompiledGraph:
-    """Compile a graph file, with ``--model`` replacing the first model resource's path."""
+    """Compile a graph file, with ``--model`` replacing the first model resource's path and name."""
+    from flow.resources import is_pattern
+
     if model is None:
         return compile_file(path)
     try:
@@ -36,10 +38,11 @@ def _load_graph(path: str, *, model: str | None = None) -> CompiledGraph:
         raise CompileError([GraphError("resources", "--model was given but the graph has no model resource",
                                        'add [resources.model] with type = "model"')], path)
     table: dict[str, Any] = tables["resources"][models[0]]
-    old_ids = [table.get("name") or models[0], *table.get("aliases", [])]
     table["path"] = model
     table["name"] = _served_name(model)
-    table["aliases"] = [i for i in old_ids if i != table["name"]]
+    table.pop("fallbacks", None)  # the graph's other sources were for the model it named
+    # The old model's own name no longer fits; generic ids (default, glob patterns) still do.
+    table["aliases"] = [a for a in table.get("aliases", []) if a == "default" or is_pattern(a)]
     return compile_tables(tables, path)
 
 

@@ -9,7 +9,7 @@ import anthropic
 import httpx
 
 from flow.compiler import compile_tables
-from tests.harness import RunningServer, running_server, tables_with_model
+from tests.harness import GRAPHS, RunningServer, running_server, tables_with_model
 
 
 def test_glob_aliases_answer_the_ids_they_match(tiny_qwen3: Path, tiny_llama: Path) -> None:
@@ -34,3 +34,15 @@ def test_without_a_catch_all_unknown_ids_stay_404(qwen3_server: RunningServer) -
     answer = httpx.post(qwen3_server.url + "/chat/completions", timeout=30, json={
         "model": "claude-opus-4-8", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+
+
+def test_model_on_the_command_line_replaces_the_name_and_its_aliases(tiny_llama: Path, tmp_path: Path) -> None:
+    from flow.cli import _load_graph
+
+    graph_file = tmp_path / "graph.toml"
+    graph_file.write_text(f'extends = "{GRAPHS / "demo.toml"}"\n[resources.model]\n'
+                          'aliases = ["default", "demo-old", "claude-*"]\n')
+    graph = _load_graph(str(graph_file), model=str(tiny_llama))
+    config = graph.resources["model"].config
+    assert config.name == tiny_llama.name  # type: ignore[attr-defined]
+    assert config.aliases == ["default", "claude-*"] and config.fallbacks == []  # type: ignore[attr-defined]
