@@ -7,16 +7,17 @@ Requests hand it their inputs as token-id lists (:meth:`Embedder.submit`, from
 any thread) and wait on a future for their vectors. Each step builds one
 forward pass from the inputs waiting:
 
-* when everything waiting fits in ``pass_tokens`` padded tokens (inputs ×
-  longest input), it all goes in one pass;
+* when everything waiting fits in one *solo* pass — at most ``pass_tokens``
+  padded tokens (inputs × longest input) and at most ``10 × pass_seconds`` of
+  device time (measured on the passes so far) — it all goes in one pass;
 * when it does not (a large job), and nobody else waits or has asked in the
-  last second, the large job gets full passes (efficient: nobody is behind it);
-* otherwise a pass holds as many padded tokens as the device computes in
-  ``pass_seconds`` (measured on the passes so far), and the requests such a pass
-  can finish — the one-sentence requests behind a 2,000-input job — get a pass
-  of their own before the large job goes on (never two such passes in a row, so
-  a stream of small requests cannot starve the large one). Other passes take
-  inputs **round-robin across requests**, one from each in turn.
+  last second, the large job gets solo passes (efficient: nobody is behind it);
+* otherwise a pass holds what the device computes in ``pass_seconds``, and the
+  requests such a pass can finish — the one-sentence requests behind a
+  2,000-input job — get a pass of their own before the large job goes on (never
+  two such passes in a row, so a stream of small requests cannot starve the
+  large one). Other passes take inputs **round-robin across requests**, one from
+  each in turn, the request served longest ago first.
 
 A request's inputs are queued shortest first, so its passes waste little padding.
 
@@ -52,6 +53,9 @@ log = logging.getLogger("flow.embeddings")
 # A large job alone gets full passes, unless another request arrived behind work this recently: an interactive
 # client sends its next request soon after its last answer, and should not wait for a full pass then.
 CONTENTION_SECONDS = 1.0
+# A pass nobody waits behind may last this many pass_seconds: long enough to batch efficiently, short enough
+# that a request arriving during it is not kept long.
+SOLO_PASSES = 10
 
 
 @dataclass
@@ -63,6 +67,8 @@ class _Job:
     order: deque[int]
     out: np.ndarray
     left: int
+    submitted: float = 0.0  # monotonic seconds
+    served: int = -1  # the last pass it had inputs in (round-robin starts with the longest unserved)
 
 
 Readout = Callable[[Any, Any], Any]  # (model output, attention mask) → (n, dims) mx.array
@@ -87,7 +93,7 @@ class Embedder:
         self._seconds_per_token: float | None = None  # measured: a moving average over passes
         self._jobs: deque[_Job] = deque()  # the round-robin ring
         self._lock = threading.Lock()
-        self._last_arrival = 0.0  # when the latest request arrived behind others (monotonic seconds)
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=8)  # (monotonic time, id of the job) of recent ones
         self._last_pass_finishing = False  # the last pass served only newcomers: the next one is round-robin
         self.passes = 0
         self.inputs = 0
@@ -100,9 +106,9 @@ class Embedder:
         future: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
         job = _Job(inputs, future, deque(sorted(range(len(inputs)), key=lambda i: len(inputs[i]))),
                    np.empty((len(inputs), self.dims), dtype=np.float32), len(inputs))
+        job.submitted = time.monotonic()
         with self._lock:
-            if self._jobs:
-                self._last_arrival = time.monotonic()
+            self._arrivals.append((job.submitted, id(job)))
             self._jobs.append(job)
         self.device.wake()
         return future
@@ -111,17 +117,19 @@ class Embedder:
         return bool(self._jobs)
 
     def _next_pass(self) -> list[tuple[_Job, int]]:
-        """Inputs for one pass (see the module docstring): everything, when it all fits; else a pass bounded by
-        time, given to the requests it can finish — newcomers behind a large job — before the large job goes on."""
+        """Inputs for one pass (see the module docstring): everything, when it fits in a solo pass; a solo pass
+        for a large job nobody waits behind; else a short pass, given to the requests it can finish —
+        newcomers behind a large job — before the large job goes on."""
         with self._lock:
             ring = [job for job in self._jobs if not job.future.cancelled()]
             self._jobs = deque(ring)
             waiting = [len(job.inputs[i]) for job in ring for i in job.order]
             if not waiting:
                 return []
-            if max(waiting) * len(waiting) <= self.pass_tokens or not self._contended(ring):
-                return self._take(ring, self.pass_tokens)  # nobody waits behind this pass: make it efficient
-            budget = self.budget()
+            solo = self.budget(SOLO_PASSES * self.pass_seconds)
+            if max(waiting) * len(waiting) <= solo or not self._contended(ring):
+                return self._take(ring, solo)  # nobody waits behind this pass: make it efficient
+            budget = self.budget(self.pass_seconds)
             if not self._last_pass_finishing:
                 finishing = self._finishing(ring, budget)
                 if finishing and len(finishing) < len(ring):
@@ -131,8 +139,12 @@ class Embedder:
             return self._take(ring, budget)
 
     def _contended(self, ring: list[_Job]) -> bool:
-        """Other requests wait, or arrived lately (an interactive client sends its next one soon)."""
-        return len(ring) > 1 or time.monotonic() - self._last_arrival < CONTENTION_SECONDS
+        """Other requests wait, or arrived lately (an interactive client sends its next one soon after its last
+        answer)."""
+        if len(ring) > 1:
+            return True
+        alone, now = id(ring[0]), time.monotonic()
+        return any(now - at < CONTENTION_SECONDS for at, job in self._arrivals if job != alone)
 
     @staticmethod
     def _finishing(ring: list[_Job], budget: int) -> list[_Job]:
@@ -148,11 +160,12 @@ class Embedder:
         return chosen
 
     def _take(self, ring: list[_Job], budget: int) -> list[tuple[_Job, int]]:
-        """Inputs round-robin over ``ring`` (each request's shortest first) until the padded size would pass
-        ``budget``; finished requests leave the queue. Called with the lock held."""
+        """Inputs round-robin over ``ring`` — the requests served longest ago first, one input each in turn
+        (each request's shortest first) — until the padded size would pass ``budget``; finished requests leave
+        the queue. Called with the lock held."""
         chosen: list[tuple[_Job, int]] = []
         longest = 0
-        ring = list(ring)
+        ring = sorted(ring, key=lambda job: job.served)
         while ring:
             for job in list(ring):
                 index = job.order[0]
@@ -160,6 +173,7 @@ class Embedder:
                 if chosen and length * (len(chosen) + 1) > budget:
                     return chosen
                 job.order.popleft()
+                job.served = self.passes
                 chosen.append((job, index))
                 longest = length
                 if not job.order:
@@ -167,11 +181,12 @@ class Embedder:
                     self._jobs.remove(job)
         return chosen
 
-    def budget(self) -> int:
-        """Padded tokens for a pass others wait behind: what the device computes in ``pass_seconds``."""
+    def budget(self, seconds: float) -> int:
+        """Padded tokens the device computes in ``seconds`` (measured on the passes so far), at most
+        ``pass_tokens``."""
         if self._seconds_per_token is None:
             return self.pass_tokens
-        return max(1, min(self.pass_tokens, int(self.pass_seconds / self._seconds_per_token)))
+        return max(1, min(self.pass_tokens, int(seconds / self._seconds_per_token)))
 
     def step(self) -> None:
         import mlx.core as mx
@@ -222,7 +237,8 @@ class Embedder:
     def stats_json(self) -> dict[str, Any]:
         return {"passes": self.passes, "inputs": self.inputs, "tokens": self.tokens,
                 "padding": round(1 - self.tokens / self.padded_tokens, 3) if self.padded_tokens else 0.0,
-                "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens, "pass_budget": self.budget()}
+                "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens,
+                "pass_budget": self.budget(self.pass_seconds)}
 
 
 @dataclass
