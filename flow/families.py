@@ -5,7 +5,8 @@ rules (``config.json`` ``model_type`` / ``architectures``, name patterns,
 chat-template features), how tools reach the model (the template's native
 ``tools=`` support, or a prompt injected into the system message), which
 parsers read its output, how thinking is switched, extra stop tokens, and the
-template's quirks. Adding a family whose formats exist is one file here.
+template's quirks (and forgiveness: ``tools.loose_calls`` takes calls that small
+models write without the markup). Adding a family whose formats exist is one file here.
 
 Resolution (:func:`resolve_family`): an explicit family id wins; ``"auto"``
 scores every family's rules against the model and takes the best match (ties
@@ -67,6 +68,9 @@ class Tools(_Strict):
     call_ids: Literal["any", "alnum9"] = Field(default="any", description="alnum9: rewrite ids to 9 letters/digits (Mistral)")
     one_call_per_message: bool = Field(default=False, description="split multi-call assistant turns (Llama 3.1)")
     tool_role: Literal["tool", "user"] = Field(default="tool", description="user: tool results become user turns (templates without a tool role)")
+    loose_calls: bool = Field(
+        default=False, description="also take a call written without the parser's markup (bare JSON or a ```json "
+        "block naming a declared tool, as the whole rest of the output): small models that forget their format")
 
 
 class Reasoning(_Strict):

@@ -244,7 +244,8 @@ def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> S
         # Templates that open the thinking block themselves make the output start inside it.
         options["starts_inside"] = prompt_text.rstrip().endswith(family.reasoning.open_tag)
     return make_response_parser(tool_parser=family.tools.parser if with_tools else None,
-                                reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options)
+                                reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options,
+                                loose_tool_calls=with_tools and family.tools.loose_calls)
 
 
 def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+if os.environ.get("FLOW_REAL_MODELS") != "hub":  # the real tier's hub mode (tests/real/conftest.py) may
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # reach the hub; no other test ever does
 # Tests never read or write the developer's own capability store.
 os.environ["FLOW_DATA_DIR"] = tempfile.mkdtemp(prefix="flow-test-data-")
 

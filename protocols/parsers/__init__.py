@@ -27,6 +27,11 @@ Whitespace right around call markup (or reasoning tags) is layout and is dropped
 Calls to names that are not among the request's tools are reported like any other
 call; what to do with them is the client's business (as with the hosted APIs).
 
+Small models often write a right call without their family's markup (bare JSON, a
+fenced json block): a family with ``loose_calls`` wraps its tool parser in
+:class:`~protocols.parsers.loose_calls.LooseCallParser`, which recovers such a call
+when it is the whole rest of the output and names only declared tools.
+
 Reasoning and tools compose with :class:`ResponseParser`: the reasoning parser
 runs first, only its content goes through the tool parser, so nothing inside
 ``<think>`` is ever taken for a call.
@@ -56,6 +61,7 @@ from protocols.parsers.base import (
 )
 from protocols.parsers.gemma4 import Gemma4Parser
 from protocols.parsers.json_calls import HermesJsonParser, Llama3JsonParser, MistralParser
+from protocols.parsers.loose_calls import LooseCallParser
 from protocols.parsers.pythonic import PythonicParser
 from protocols.parsers.reasoning import Gemma4ReasoningParser, NullReasoningParser, ThinkTagParser
 from protocols.parsers.xml_calls import Glm4Parser, Qwen3CoderParser
@@ -103,14 +109,18 @@ def make_tool_parser(
     tools: Sequence[Mapping[str, Any]] = (),
     *,
     id_factory: IdFactory = new_call_id,
+    loose: bool = False,
 ) -> ToolParser:
-    """A fresh tool parser for one response (``None`` means ``"null"``)."""
+    """A fresh tool parser for one response (``None`` means ``"null"``); ``loose`` also
+    recovers calls to ``tools`` written without the format's markup."""
     cls = TOOL_PARSERS.get(parser_id or "null")
     if cls is None:
         raise UnknownParserError(
             f"unknown tool parser {parser_id!r}; valid ids: {', '.join(sorted(TOOL_PARSERS))}"
         )
-    return cls(tools, id_factory=id_factory)
+    parser = cls(tools, id_factory=id_factory)
+    # Without declared tools no loose call can match: skip the wrapper and its scanning.
+    return LooseCallParser(parser) if loose and parser.schemas else parser
 
 
 def make_reasoning_parser(parser_id: str | None, **options: Any) -> StreamParser:
@@ -164,11 +174,12 @@ def make_response_parser(
     tools: Sequence[Mapping[str, Any]] = (),
     id_factory: IdFactory = new_call_id,
     reasoning_options: Mapping[str, Any] | None = None,
+    loose_tool_calls: bool = False,
 ) -> ResponseParser:
-    """The parser for one response, from a family's parser ids."""
+    """The parser for one response, from a family's parser ids and options."""
     return ResponseParser(
         reasoning=make_reasoning_parser(reasoning_parser, **dict(reasoning_options or {})),
-        tools=make_tool_parser(tool_parser, tools, id_factory=id_factory),
+        tools=make_tool_parser(tool_parser, tools, id_factory=id_factory, loose=loose_tool_calls),
     )
 
 
@@ -178,6 +189,7 @@ __all__ = [
     "Call",
     "Event",
     "IdFactory",
+    "LooseCallParser",
     "ResponseParser",
     "StreamParser",
     "ToolParser",
