@@ -298,7 +298,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _family_json(family: Family) -> dict[str, Any]:
     return {"name": family.name, "description": family.description, "extends": family.extends,
             "detect": family.detect.model_dump(),
-            "tools": {"parser": family.tools.parser, "delivery": family.tools.delivery},
+            "tools": {"parser": family.tools.parser, "delivery": family.tools.delivery,
+                      "loose_calls": family.tools.loose_calls},
             "reasoning": {"parser": family.reasoning.parser, "toggle": family.reasoning.toggle},
             "stop_tokens": family.stop_tokens}
 
@@ -328,7 +329,8 @@ def cmd_families(args: argparse.Namespace) -> int:
             how = "the fallback when nothing matches" if family.name == "default" else "only when named"
             print(f"    {'detected:':<15}never; {how}")
         tools, reasoning = family.tools, family.reasoning
-        print(f"    {'tools:':<15}{tools.parser} parser, delivered by {tools.delivery}"
+        loose = "; calls without markup taken too" if tools.loose_calls else ""
+        print(f"    {'tools:':<15}{tools.parser} parser, delivered by {tools.delivery}{loose}"
               if tools.parser != "null" else f"    {'tools:':<15}none (null parser)")
         toggle = f", thinking toggle {reasoning.toggle}" if reasoning.toggle else ""
         print(f"    {'reasoning:':<15}{reasoning.parser} parser{toggle}"
