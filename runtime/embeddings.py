@@ -74,6 +74,41 @@ class _Job:
 Readout = Callable[[Any, Any], Any]  # (model output, attention mask) → (n, dims) mx.array
 
 
+class PassCost:
+    """A pass's seconds as ``overhead + per_token × padded tokens``, fitted on recent passes (exponentially
+    weighted least squares): on a CPU a one-input pass costs far more per token than a 64-input one, so a
+    single seconds-per-token average would make time-bounded passes too small."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.passes = 0
+        self._x = self._y = self._xx = self._xy = 0.0  # weighted means of tokens, seconds, tokens², tokens×seconds
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.passes == 0 else self.weight
+        self._x += w * (tokens - self._x)
+        self._y += w * (seconds - self._y)
+        self._xx += w * (tokens * tokens - self._xx)
+        self._xy += w * (tokens * seconds - self._xy)
+        self.passes += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(overhead seconds, seconds per padded token); a plain average while the sizes seen barely differ."""
+        spread = self._xx - self._x * self._x
+        if self.passes >= 3 and spread > (0.1 * self._x) ** 2:
+            per_token = (self._xy - self._x * self._y) / spread
+            if per_token > 0:
+                return max(0.0, self._y - per_token * self._x), per_token
+        return 0.0, self._y / max(self._x, 1.0)
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """Padded tokens a pass may hold to last about ``seconds``; None before any pass."""
+        if self.passes == 0:
+            return None
+        overhead, per_token = self.fit()
+        return int((seconds - overhead) / per_token)
+
+
 class EmbedderClosed(Exception):
     """The model was unloaded while the request waited."""
 
@@ -90,7 +125,7 @@ class Embedder:
         self.dims = dims
         self.pass_tokens = pass_tokens
         self.pass_seconds = pass_seconds
-        self._seconds_per_token: float | None = None  # measured: a moving average over passes
+        self.cost = PassCost()  # measured on the passes so far
         self._jobs: deque[_Job] = deque()  # the round-robin ring
         self._lock = threading.Lock()
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=8)  # (monotonic time, id of the job) of recent ones
@@ -184,9 +219,8 @@ class Embedder:
     def budget(self, seconds: float) -> int:
         """Padded tokens the device computes in ``seconds`` (measured on the passes so far), at most
         ``pass_tokens``."""
-        if self._seconds_per_token is None:
-            return self.pass_tokens
-        return max(1, min(self.pass_tokens, int(seconds / self._seconds_per_token)))
+        tokens = self.cost.tokens_within(seconds)
+        return self.pass_tokens if tokens is None else max(1, min(self.pass_tokens, tokens))
 
     def step(self) -> None:
         import mlx.core as mx
@@ -211,9 +245,7 @@ class Embedder:
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
-        per_token = (time.perf_counter() - started) / ids.size
-        self._seconds_per_token = (per_token if self._seconds_per_token is None
-                                   else 0.8 * self._seconds_per_token + 0.2 * per_token)
+        self.cost.add(ids.size, time.perf_counter() - started)
         self.passes += 1
         self.inputs += len(chosen)
         self.tokens += int(mask.sum())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.embeddings import Embedder
+from runtime.embeddings import Embedder, PassCost
 
 
 class _Device:
@@ -26,6 +26,12 @@ def embedder(pass_tokens: int = 1000) -> Embedder:
                     pass_seconds=0.01)
 
 
+def measured(e: Embedder) -> None:
+    """Passes so far took 0.01 s per 100 padded tokens."""
+    for _ in range(3):
+        e.cost.add(100, 0.01)
+
+
 def shape(chosen: list[Any]) -> list[int]:
     """How many inputs of each request (by its input count) a pass holds."""
     counts: dict[int, int] = {}
@@ -44,7 +50,7 @@ def test_everything_that_fits_goes_in_one_pass() -> None:
 def test_a_large_job_alone_gets_full_passes_and_newcomers_a_pass_of_their_own() -> None:
     e = embedder(pass_tokens=1000)
     big = e.submit([[1] * 10] * 500)  # 5,000 padded tokens: five full passes
-    e._seconds_per_token = 0.01 / 100  # measured: a 0.01 s pass holds 100 padded tokens
+    measured(e)  # a 0.01 s pass holds 100 padded tokens
     assert len(e._next_pass()) == 100  # alone, nobody asked lately: a full pass
     e.submit([[1] * 8])
     e.submit([[1] * 12] * 2)
@@ -61,6 +67,16 @@ def test_round_robin_when_nobody_can_finish_in_one_pass() -> None:
     e = embedder(pass_tokens=1000)
     e.submit([[1] * 10] * 300)
     e.submit([[1] * 10] * 300)
-    e._seconds_per_token = 0.01 / 100
+    measured(e)
     chosen = e._next_pass()
     assert shape(chosen) == [10] and len({id(job) for job, _ in chosen}) == 2  # five from each
+
+
+def test_the_pass_cost_separates_overhead_from_tokens() -> None:
+    """On a CPU a one-input pass is mostly overhead: a time budget must not be read as a token rate of those."""
+    cost = PassCost(weight=0.5)
+    for tokens, seconds in [(10, 0.05), (1000, 0.5), (10, 0.05), (1000, 0.5), (500, 0.275)]:
+        cost.add(tokens, seconds)
+    overhead, per_token = cost.fit()
+    assert abs(overhead - 0.0455) < 0.002 and abs(per_token - 0.000455) < 0.00002
+    assert 115 < (cost.tokens_within(0.1) or 0) < 125  # (0.1 - overhead) / per_token
