@@ -12,8 +12,9 @@ forward pass from the inputs waiting:
   device time (measured on the passes so far) — it all goes in one pass;
 * when it does not (a large job), and nobody else waits or has asked in the
   last second, the large job gets solo passes (efficient: nobody is behind it);
-* otherwise a pass holds what the device computes in ``pass_seconds``, and the
-  requests such a pass can finish — the one-sentence requests behind a
+* when many small requests wait and none is large, solo passes round-robin;
+* otherwise (a large job and others) a pass holds what the device computes in
+  ``pass_seconds``, and the requests such a pass can finish — the one-sentence requests behind a
   2,000-input job — get a pass of their own before the large job goes on (never
   two such passes in a row, so a stream of small requests cannot starve the
   large one). Other passes take inputs **round-robin across requests**, one from
@@ -72,6 +73,11 @@ class _Job:
 
 
 Readout = Callable[[Any, Any], Any]  # (model output, attention mask) → (n, dims) mx.array
+
+
+def _padded(job: _Job) -> int:
+    """The padded tokens a request's remaining inputs take in one pass."""
+    return max(len(job.inputs[i]) for i in job.order) * len(job.order)
 
 
 class PassCost:
@@ -165,6 +171,8 @@ class Embedder:
             if max(waiting) * len(waiting) <= solo or not self._contended(ring):
                 return self._take(ring, solo)  # nobody waits behind this pass: make it efficient
             budget = self.budget(self.pass_seconds)
+            if not any(_padded(job) > budget for job in ring):
+                return self._take(ring, solo)  # many small requests and no large job: short passes would only slow all
             if not self._last_pass_finishing:
                 finishing = self._finishing(ring, budget)
                 if finishing and len(finishing) < len(ring):

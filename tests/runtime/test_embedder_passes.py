@@ -80,3 +80,11 @@ def test_the_pass_cost_separates_overhead_from_tokens() -> None:
     overhead, per_token = cost.fit()
     assert abs(overhead - 0.0455) < 0.002 and abs(per_token - 0.000455) < 0.00002
     assert 115 < (cost.tokens_within(0.1) or 0) < 125  # (0.1 - overhead) / per_token
+
+
+def test_many_small_requests_and_no_large_one_get_full_passes() -> None:
+    e = embedder(pass_tokens=1000)
+    measured(e)
+    for _ in range(150):  # 64 clients' worth of one-sentence requests, more than one solo pass holds
+        e.submit([[1] * 10])
+    assert len(e._next_pass()) == 100  # a solo pass (1,000 padded tokens), not a short one (100)
