@@ -443,5 +443,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> None:
+    """The ``flow`` command: :func:`main`, then the process ends without the interpreter's teardown.
+
+    Why: threads that ran MLX (the device thread, worker threads that built arrays) keep thread-local MLX
+    state, and tearing that down while the interpreter finalizes can abort the process ("terminate called
+    without an active exception", SIGABRT) after a clean stop — seen with ``flow serve`` on real models. By the
+    time :func:`main` returns, everything flow owns is closed (the server's stop closes its stores and flushes
+    the prefix cache's disk tier), so what is skipped is only that teardown; logs and output are flushed first.
+    """
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's --help and usage errors
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
