@@ -17,6 +17,10 @@ from flow.embedded import RunningServer, running_server
 from flow.spec import load_tables
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
+WEATHER_TOOLS: list[Any] = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+"""One OpenAI function tool, as the tool-call tests declare it."""
 
 __all__ = ["GRAPHS", "RunningServer", "free_port", "graph_with_model", "running_server", "serve_process",
            "tables_with_model", "tables_with_prefix_cache"]

@@ -25,11 +25,9 @@ from flow.spec import load_tables
 from protocols.ir import ChatRequest, Message
 from runtime.tiny import ensure_tiny_model
 from stages.chat import render_prompt
-from tests.harness import GRAPHS, RunningServer, graph_with_model, running_server
+from tests.harness import GRAPHS, RunningServer, WEATHER_TOOLS, graph_with_model, running_server
 
-TOOLS: list[Any] = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = WEATHER_TOOLS
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCRIPT = f"<think>The user wants weather.</think>Let me check. {CALL}"
 

@@ -21,11 +21,9 @@ from flow.compiler import compile_tables
 from flow.families import builtin_families, resolve_family
 from protocols.ir import ChatRequest, Message
 from stages.chat import response_parser
-from tests.harness import RunningServer, running_server, tables_with_model
+from tests.harness import RunningServer, WEATHER_TOOLS, running_server, tables_with_model
 
-TOOLS: list[Any] = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = WEATHER_TOOLS
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 FENCED = f"I'll look it up.\n```json\n{CALL}\n```"
 
