@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from protocols.parsers.base import JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-# JSON as models write it, and nothing looser: no free whitespace to loop on.
-JSON_SEPARATORS = {"item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -113,8 +113,7 @@ def _compile(grammar: Grammar) -> str:
         return str(llguidance.LLMatcher.grammar_from_lark(grammar.source))
     try:
         options: JsonCompileOptions = {"whitespace_flexible": False, "lenient": not grammar.strict,
-                                       "item_separator": JSON_SEPARATORS["item_separator"],
-                                       "key_separator": JSON_SEPARATORS["key_separator"]}
+                                       "item_separator": JSON_ITEM_SEPARATOR, "key_separator": JSON_KEY_SEPARATOR}
         return str(llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=options))
     except ValueError as exc:
         raise GrammarError(f"the schema is not valid JSON: {exc}") from None

@@ -712,9 +712,8 @@ class Engine:
             recent = seq.history[-(seq.sampler.history_window - 1):] if seq.sampler.history_window > 1 else []
             current = inputs[i : i + 1]
             contexts.append(mx.concatenate([mx.array(recent, dtype=mx.uint32), current]) if recent else current)
-        constrained = [s for s in batch.seqs if s.sampler.constraint is not None]
         values: list[int] | None = None
-        if constrained:
+        if any(s.sampler.constraint is not None for s in batch.seqs):
             # A grammar's mask for this step depends on the token sampled last step: read it first (the
             # device waits for Python here; batches without constrained rows keep the overlap).
             values = inputs.tolist()  # type: ignore[assignment]

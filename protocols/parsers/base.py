@@ -172,8 +172,11 @@ def tool_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, A
     return out
 
 
-# JSON as models write it in calls, with no free whitespace (a grammar must not let a weak model loop on spaces).
-CALL_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# JSON as models write it (answers and calls), with no free whitespace: a grammar must not let a weak model loop
+# on spaces.
+JSON_ITEM_SEPARATOR, JSON_KEY_SEPARATOR = ", ", ": "
+CALL_JSON_STYLE = {"whitespace_flexible": False, "item_separator": JSON_ITEM_SEPARATOR,
+                   "key_separator": JSON_KEY_SEPARATOR}
 
 
 def forced_call_schema(tools: Mapping[str, Mapping[str, Any]], arguments_key: str = "arguments") -> dict[str, Any]:
