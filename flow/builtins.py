@@ -23,6 +23,7 @@ from stages.anthropic import (
     AnthropicMessagesDecode,
     AnthropicMessagesFormat,
 )
+from stages.audio import Transcribe, TranscriptionsDecode, TranscriptionsFormat, TranslationsDecode
 from stages.chat import ChatPrepare, ChatProcess
 from stages.echo import EchoGenerate
 from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
@@ -41,6 +42,7 @@ STAGES = (
     AgentsManage, AgentsGenerateDecode, AgentsGenerateFormat,
     ModelsList,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
+    TranscriptionsDecode, TranslationsDecode, Transcribe, TranscriptionsFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
 )
 RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)

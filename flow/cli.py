@@ -86,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             binds = await nursery.start(started_banner)
             print(f"flow: serving graph {graph.name!r} on {', '.join(binds)}", file=sys.stderr)
             for m in server.models:
-                loaded = m.loaded or m.embedding
+                loaded = m.loaded or m.embedding or m.audio
                 what = ("not loaded yet" if loaded is None else
                         "SMOKE-TEST MODEL: random weights, gibberish output" if loaded.smoke_test else m.source)
                 print(f"flow: model {m.name} ({m.kind or 'kind unknown'}): {what}", file=sys.stderr)

@@ -13,7 +13,10 @@ answers under a hostile name (Ollama's CVE-2024-28224). So, by default:
 * a request with an ``Origin`` that is not a loopback origin (or allowed) is
   refused — browsers send one on every cross-site POST;
 * a POST body must be JSON (``application/json``): what a page can send without
-  a preflight is never that;
+  a preflight is never that. A route whose entry stage takes file uploads (the
+  audio transcription routes: ``multipart/form-data``, as the OpenAI SDK sends
+  them) accepts that type too, on that route only; browsers send an ``Origin``
+  with every cross-site form post, which the check above refuses;
 * with an API key, every route but ``/health`` needs it (``x-api-key`` or
   ``Authorization: Bearer``), compared in constant time.
 
@@ -32,6 +35,7 @@ from protocols.errors import ApiError
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 UNGUARDED_PATHS = frozenset({"/health"})  # readiness probes carry no key
+JSON_BODIES = frozenset({"application/json"})
 
 
 def is_loopback(host: str) -> bool:
@@ -65,8 +69,10 @@ class Guard:
         name = host.lower().rstrip(".")
         return is_loopback(name) or name in self.allowed
 
-    def check(self, method: str, path: str, headers: dict[str, str]) -> None:
-        """Raise the :class:`ApiError` a request gets before anything else happens to it."""
+    def check(self, method: str, path: str, headers: dict[str, str],
+              body_types: frozenset[str] = JSON_BODIES) -> None:
+        """Raise the :class:`ApiError` a request gets before anything else happens to it. ``body_types``: the
+        content types the route of ``path`` takes."""
         if self.check_host:
             host = host_name(headers.get("host", ""))
             if not self._allowed(host):
@@ -84,9 +90,11 @@ class Guard:
         bodiless = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
         if method == "POST" and not (bodiless and "content-type" not in headers):  # e.g. POST /admin/reload
             kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-            if kind != "application/json":
-                raise ApiError("unsupported_media_type", f"POST bodies must be JSON with 'Content-Type: "
-                               f"application/json' (got {kind or 'no content type'!r}).")
+            if kind not in body_types:
+                wanted = ("JSON with 'Content-Type: application/json'" if body_types == JSON_BODIES else
+                          "sent as " + " or ".join(f"'Content-Type: {t}'" for t in sorted(body_types)) + f" on {path}")
+                raise ApiError("unsupported_media_type", f"POST bodies must be {wanted} (got "
+                               f"{kind or 'no content type'!r}).")
 
     def key_ok(self, headers: dict[str, str]) -> bool:
         assert self.api_key is not None

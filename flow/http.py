@@ -92,7 +92,8 @@ def create_app(server: FlowServer) -> QuartTrio:
             return server.error_response(request.path, ApiError(
                 "invalid_request", "The request has both Content-Length and Transfer-Encoding."), close=True)
         try:
-            server.guard.check(request.method, request.path, headers)
+            server.guard.check(request.method, request.path, headers,
+                               server.live.gen.body_types(request.method, request.path))
         except ApiError as error:
             return server.error_response(request.path, error, close=True)
         return None

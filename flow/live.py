@@ -35,7 +35,8 @@ import trio
 from flow.compiler import CompiledGraph, CompiledResource, Route
 from flow.resource import Links, Resource
 from flow.runner import RouteRunner
-from flow.stage import EdgeStats, ExitStage, Stage
+from flow.guard import JSON_BODIES
+from flow.stage import EdgeStats, EntryStage, ExitStage, Stage
 from runtime.device import DeviceThread
 
 log = logging.getLogger("flow.live")
@@ -125,6 +126,15 @@ class Generation:
         """The route for ``method path``; raises :class:`NoRoute` (with the methods the path has, if any)."""
         route, params = self._table.match(method, path)
         return RouteMatch(self.runners[(route.method, route.path)], params)
+
+    def body_types(self, method: str, path: str) -> frozenset[str]:
+        """The content types the route of ``method path`` takes (JSON where no route has the path)."""
+        try:
+            route, _ = self._table.match(method, path)
+        except NoRoute:
+            return JSON_BODIES
+        stage = self.stages[route.entry]
+        return stage.body_types if isinstance(stage, EntryStage) else JSON_BODIES
 
     def exit_stage(self, stage_id: str) -> ExitStage[Any, Any]:
         stage = self.stages[stage_id]

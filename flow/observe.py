@@ -116,6 +116,9 @@ class Observer:
             out.update(smoke_test=model.embedding.smoke_test, dimensions=model.embedding.dims,
                        max_input_tokens=model.embedding.max_length, profile=model.embedding.profile.as_json(),
                        embedder=model.embedding.embedder.stats_json())
+        if model.audio is not None:
+            out.update(smoke_test=model.audio.smoke_test, capabilities=model.audio.capabilities,
+                       sample_rate=model.audio.sample_rate, worker=model.audio.worker.stats_json())
         if model.loaded is not None:  # no paths: /health needs no key
             out.update(smoke_test=model.loaded.smoke_test,
                        context_length=model.loaded.context_length, kv_budget_bytes=model.kv_budget_bytes,

@@ -29,6 +29,7 @@ from runtime.engine_config import EngineConfig, Strategy
 from runtime.model_kinds import ModelKind, detect_kind_of
 
 if TYPE_CHECKING:
+    from runtime.audio import LoadedAudio
     from runtime.embeddings import LoadedEmbedder
     from runtime.models import LoadedModel
     from runtime.prefix_cache import PrefixCache
@@ -81,6 +82,10 @@ class ModelConfig(ResourceConfig):
     dimensions: list[int] = Field(
         default_factory=list, description="embedding models: the Matryoshka sizes the model was trained to be cut "
                                           "to (default: from its config.json, model card or series)")
+    audio_share: float = Field(
+        default=0.3, gt=0, le=1, description="audio models: the most of the device's time audio jobs take while "
+                                             "other models' requests wait (a long transcription does not freeze "
+                                             "chat streams); alone, they take all of it")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
@@ -106,6 +111,7 @@ class ModelResource(Resource):
         self.source = config.path  # the source in use: path, or the fallback found (see resolve_source)
         self.loaded: LoadedModel | None = None  # a text model's
         self.embedding: LoadedEmbedder | None = None  # an embedding model's
+        self.audio: LoadedAudio | None = None  # an audio model's
         self.family: Family = builtin_families()["default"]
         self.pool: LoadGate | None = None  # the model_pool serving it, if any (set by its serve())
         self.prefix_cache: PrefixCache | None = None  # the prefix cache serving it, if any (set by its serve())
@@ -134,11 +140,11 @@ class ModelResource(Resource):
     @property
     def ready(self) -> bool:
         """Loaded, whatever its kind."""
-        return self.loaded is not None or self.embedding is not None
+        return self.loaded is not None or self.embedding is not None or self.audio is not None
 
     @property
     def weight_bytes(self) -> int:
-        loaded = self.loaded or self.embedding
+        loaded = self.loaded or self.embedding or self.audio
         return loaded.weight_bytes if loaded is not None else 0
 
     @property
@@ -181,11 +187,14 @@ class ModelResource(Resource):
         if self.kind == "embeddings":
             await self._load_embedder(path, device)
             return
+        if self.kind == "audio":
+            await self._load_audio(path, device)
+            return
         if self.kind != "text":
             raise ModelNotAvailable(
                 f"{self.name} ({self.source}) is a {self.kind} model; this version of flow serves text "
-                "generation (mlx-lm) and embedding (mlx-embeddings) models. If the detection is wrong, set "
-                "kind = \"text\" or \"embeddings\" on its [resources.*] table.")
+                "generation (mlx-lm), embedding (mlx-embeddings) and audio (mlx-audio) models. If the detection is "
+                "wrong, set kind = \"text\", \"embeddings\" or \"audio\" on its [resources.*] table.")
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
@@ -238,6 +247,22 @@ class ModelResource(Resource):
         log.info("embedding model %s ready (%.1f s, %d dims)%s", self.name, time.perf_counter() - started,
                  self.embedding.dims, " — SMOKE-TEST MODEL: random weights" if self.embedding.smoke_test else "")
 
+    async def _load_audio(self, path: Path, device: DeviceThread) -> None:
+        from runtime.audio import load_audio_model
+
+        started = time.perf_counter()
+        self.audio = await trio.to_thread.run_sync(load_audio_model, self.name, path, device, self.config.audio_share)
+        self.last_used = time.monotonic()
+        self.loads += 1
+        log.info("audio model %s ready (%.1f s)%s", self.name, time.perf_counter() - started,
+                 " — SMOKE-TEST MODEL: random weights" if self.audio.smoke_test else "")
+
+    async def ensure_audio(self) -> LoadedAudio:
+        """The loaded audio model, loading it first if needed (lazy, or unloaded by the pool)."""
+        await self._ensure()
+        assert self.audio is not None
+        return self.audio
+
     async def ensure_embedder(self) -> LoadedEmbedder:
         """The loaded embedding model, loading it first if needed (lazy, or unloaded by the pool)."""
         await self._ensure()
@@ -266,6 +291,8 @@ class ModelResource(Resource):
         recent = time.monotonic() - self.last_used < grace
         if self.embedding is not None:
             return self.embedding.embedder.has_work() or recent
+        if self.audio is not None:
+            return self.audio.worker.has_work() or recent
         if self.loaded is None:
             return False
         engine = self.loaded.engine
@@ -280,6 +307,14 @@ class ModelResource(Resource):
             embedding.embedder.model = None
             await embedding.embedder.device.run(mx.clear_cache)
             log.info("embedding model %s unloaded (%.0f MiB freed)", self.name, embedding.weight_bytes / 2**20)
+        audio, self.audio = self.audio, None
+        if audio is not None:
+            import mlx.core as mx
+
+            audio.worker.close()
+            audio.model = None
+            await audio.worker.device.run(mx.clear_cache)
+            log.info("audio model %s unloaded (%.0f MiB freed)", self.name, audio.weight_bytes / 2**20)
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
             from runtime.models import unload_model
@@ -292,6 +327,8 @@ class ModelResource(Resource):
             self.loaded.engine.close()
         if self.embedding is not None:
             self.embedding.embedder.close()
+        if self.audio is not None:
+            self.audio.worker.close()
 
     async def retire(self) -> None:
         """Replaced by a reload: free its weights and KV memory too."""

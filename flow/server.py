@@ -53,6 +53,7 @@ from flow.stage import ExitStage, Outbox
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
+from protocols.openai_audio import AUDIO_UPLOAD_BYTES
 from protocols.openai_embeddings import MAX_INPUTS
 from runtime.device import DeviceThread, shared_device
 
@@ -298,6 +299,8 @@ class FlowServer:
         for model in self.models:
             if model.loaded is not None:  # text: the context as text, with room for escapes and tools
                 need.append(4 * model.loaded.context_length * CHARS_PER_TOKEN)
+            elif model.audio is not None:  # an uploaded recording, as large as OpenAI's audio API takes
+                need.append(AUDIO_UPLOAD_BYTES)
             elif model.embedding is not None:  # the most inputs a request may send, each as long as it may be
                 need.append(MAX_INPUTS * model.embedding.max_length * 8)
         return max(1 << 20, min(ceiling, max(need) + (1 << 20)))

@@ -129,9 +129,11 @@ class Stage(Generic[In, Out]):
 class EntryStage(Stage[In, Out]):
     """A stage fed by the HTTP shell; its graph table carries ``routes`` and ``exit``.
 
-    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`)."""
+    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`);
+    ``body_types``: the content types its routes take (JSON; file uploads add ``multipart/form-data``)."""
 
     context_type: ClassVar[type[ProtocolContext]] = ProtocolContext
+    body_types: ClassVar[frozenset[str]] = frozenset({"application/json"})
 
 
 class ExitStage(Stage[In, Out]):

@@ -357,6 +357,72 @@ class Ranking:
     prompt_tokens: int
 
 
+TranscriptFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]
+
+
+@dataclass(frozen=True)
+class TranscriptionRequest:
+    """Speech to text (``task = "transcribe"``) or to English text (``"translate"``): the uploaded file's bytes
+    and the options, as the protocol's decode read them."""
+
+    model: str
+    audio: bytes
+    filename: str = ""
+    task: Literal["transcribe", "translate"] = "transcribe"
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float | None = None  # None: the model's own fallback schedule
+    response_format: TranscriptFormat = "json"
+    word_timestamps: bool = False
+    segment_timestamps: bool = False
+    stream: bool = False
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TranscriptWord:
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class TranscriptSegment:
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: tuple[int, ...]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+    words: tuple[TranscriptWord, ...] = ()
+
+
+@dataclass(frozen=True)
+class TranscriptDelta:
+    """Text transcribed so far, streamed before the whole transcript is known."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """A transcription's answer: the last item of its stream (deltas come before it)."""
+
+    request: TranscriptionRequest
+    model: str
+    text: str
+    language: str
+    duration: float  # seconds of audio
+    segments: tuple[TranscriptSegment, ...]
+
+
+TranscriptEvent = Union[TranscriptDelta, Transcript]
+
+
 @dataclass(frozen=True)
 class WireFrame:
     """Bytes for the client. The first frame of a response carries its head."""

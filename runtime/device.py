@@ -104,6 +104,12 @@ class DeviceThread:
             if stepper in self._steppers:
                 self._steppers.remove(stepper)
 
+    def contended(self, stepper: Stepper) -> bool:
+        """Another stepper has work (``stepper`` shares the device with it)."""
+        with self._lock:
+            others = [s for s in self._steppers if s is not stepper]
+        return any(s.has_work() for s in others)
+
     def wake(self) -> None:
         """Make a blocked loop look at its steppers again."""
         self.start()

@@ -37,7 +37,7 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
                                  "lifecycle": "active"}
         if model_id != model.name:
             entry["alias_of"] = model.name
-        loaded = model.loaded or model.embedding
+        loaded = model.loaded or model.embedding or model.audio
         if model.kind is not None:
             entry["kind"] = model.kind
         if model.embedding is not None:
@@ -48,6 +48,10 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
                 entry["dimensions"] = model.embedding.dims
         elif model.loaded is not None:
             entry["max_input_tokens"] = model.loaded.context_length
+        elif model.audio is not None:
+            entry["capabilities"] = model.audio.capabilities
+            if model.audio.tts:
+                entry["voices"] = list(model.audio.voices)
         if loaded is not None:
             if loaded.smoke_test:
                 entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"

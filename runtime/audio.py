@@ -1,0 +1,350 @@
+"""Audio models on the device thread: loading (mlx-audio) and the time-sharing audio worker.
+
+Theory of operation
+-------------------
+mlx-audio's ``generate`` runs a whole transcription in one call: decoding a long recording takes seconds to
+minutes, and the device thread must not spend them while chat streams wait. The :class:`AudioWorker` is a
+stepper of the device thread that runs each audio job (a plain call into mlx-audio) as a *greenlet* — a
+coroutine on the device thread's own stack, so MLX's thread-local state is never crossed — and the model's
+encoder and decoder passes are *checkpoints* where the job gives the device back once its slice
+(``slice_seconds``) is used up.
+
+Fair sharing: while other steppers (a chat engine, an embedder) have work, audio jobs get at most ``share``
+of the device's time — after a slice of ``d`` seconds the worker waits ``d × (1 - share) / share`` seconds of
+others' steps before its next slice. With nobody else waiting, slices follow each other back to back and a
+transcription runs at the speed of a direct mlx-audio call. Several audio jobs take slices in turn.
+
+A job cancelled while it waits or runs (its client left) is ended at its next checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from protocols.ir import TranscriptSegment, TranscriptWord
+from runtime.device import DeviceThread
+from runtime.models import ModelNotAvailable
+
+log = logging.getLogger("flow.audio")
+
+T = TypeVar("T")
+STT_RATE = 16000  # what Whisper-family models read
+
+
+class JobCancelled(Exception):
+    """Raised inside a job's greenlet at its next checkpoint once its future is cancelled."""
+
+
+class AudioWorkerClosed(Exception):
+    """The model was unloaded while the job waited."""
+
+
+@dataclass(eq=False)  # a job is itself: queued and dropped by identity
+class _Job(Generic[T]):
+    fn: Callable[[], T]
+    future: concurrent.futures.Future[T]
+    greenlet: Any = None
+
+
+class AudioWorker:
+    """Runs audio jobs on the device thread in time slices (see the module docstring)."""
+
+    def __init__(self, device: DeviceThread, share: float = 0.3, slice_seconds: float = 0.05) -> None:
+        self.device = device
+        self.share = share
+        self.slice_seconds = slice_seconds
+        self._jobs: deque[_Job[Any]] = deque()
+        self._lock = threading.Lock()
+        self._slice_ends = 0.0
+        self._resume_at = 0.0
+        self.jobs_done = 0
+        self.device_seconds = 0.0
+        self.yields = 0
+        device.add_stepper(self)
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` as a job on the device thread; thread-safe."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            self._jobs.append(_Job(fn, future))
+        self.device.wake()
+        return future
+
+    def has_work(self) -> bool:
+        return bool(self._jobs)
+
+    def checkpoint(self) -> None:
+        """Called from the model's passes inside a job: give the device back once the slice is used up."""
+        import greenlet
+
+        current = greenlet.getcurrent()
+        job = getattr(current, "flow_job", None)
+        if job is None:
+            return  # a direct call outside the worker (a test's reference run)
+        if job.future.cancelled():
+            raise JobCancelled
+        if time.perf_counter() >= self._slice_ends:
+            self.yields += 1
+            current.parent.switch()
+            if job.future.cancelled():
+                raise JobCancelled
+
+    def step(self) -> None:
+        import greenlet
+
+        if time.monotonic() < self._resume_at and self.device.contended(self):
+            time.sleep(0.0005)  # others' turn: the loop runs their steps meanwhile
+            return
+        with self._lock:
+            if not self._jobs:
+                return
+            job = self._jobs[0]  # it stays queued while it runs: has_work() says so
+        if job.greenlet is None:
+            if not job.future.set_running_or_notify_cancel():
+                self._drop(job)
+                return
+            job.greenlet = greenlet.greenlet(lambda: self._run(job))
+            job.greenlet.flow_job = job
+        started = time.perf_counter()
+        self._slice_ends = started + self.slice_seconds
+        job.greenlet.switch()
+        spent = time.perf_counter() - started
+        self.device_seconds += spent
+        self._resume_at = time.monotonic() + spent * (1 - self.share) / self.share
+        if job.greenlet.dead:
+            self.jobs_done += 1
+            self._drop(job)
+        else:
+            with self._lock:
+                if self._jobs and self._jobs[0] is job:
+                    self._jobs.rotate(-1)  # the next job's turn
+
+    def _drop(self, job: _Job[Any]) -> None:
+        with self._lock:
+            if job in self._jobs:
+                self._jobs.remove(job)
+
+    @staticmethod
+    def _run(job: _Job[Any]) -> None:
+        try:
+            result = job.fn()
+        except JobCancelled:
+            return
+        except BaseException as exc:  # delivered to the waiter; the device thread goes on
+            if not job.future.cancelled():
+                job.future.set_exception(exc)
+            return
+        if not job.future.cancelled():
+            job.future.set_result(result)
+
+    def close(self) -> None:
+        self.device.remove_stepper(self)
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), deque()
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(AudioWorkerClosed("the audio model was unloaded"))
+
+    def stats_json(self) -> dict[str, Any]:
+        return {"jobs_done": self.jobs_done, "waiting_jobs": len(self._jobs),
+                "device_seconds": round(self.device_seconds, 3), "yields": self.yields, "share": self.share}
+
+
+def _with_checkpoint(module: Any, checkpoint: Callable[[], None]) -> None:
+    """Make every call of ``module`` (an mlx ``nn.Module``) pass ``checkpoint`` first: its class is swapped for
+    a subclass of it (this one instance only)."""
+    base = type(module)
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint()
+        return base.__call__(self, *args, **kwargs)
+
+    module.__class__ = type(f"Checkpointed{base.__name__}", (base,), {"__call__": __call__})
+
+
+@dataclass
+class LoadedAudio:
+    """An audio model loaded on the device thread, with the worker its jobs run on."""
+
+    name: str
+    path: Path
+    model: Any
+    worker: AudioWorker
+    stt: bool
+    tts: bool
+    multilingual: bool
+    sample_rate: int
+    voices: tuple[str, ...]
+    weight_bytes: int
+    smoke_test: bool
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What it does: ``stt`` (speech to text), ``tts`` (text to speech)."""
+        return [name for name, able in (("stt", self.stt), ("tts", self.tts)) if able]
+
+
+def load_audio_model(name: str, path: Path, device: DeviceThread, share: float = 0.3) -> LoadedAudio:
+    """Load an mlx-audio speech-to-text model on the device thread (blocking the caller)."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type != "whisper":
+        raise ModelNotAvailable(f"{path} is a {model_type or 'unknown'} audio model; this version of flow serves "
+                                "Whisper speech-to-text models (model_type \"whisper\") through mlx-audio.")
+
+    def _load() -> tuple[Any, int]:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_audio.stt.utils import load_model
+
+        model = load_model(str(path))
+        if model.dtype == mx.float16 and not mx.metal.is_available():
+            to_float32(model)  # MLX's CPU float16 arithmetic is several times slower than float32
+        leaves: Any = tree_flatten(model.parameters())
+        return model, sum(v.nbytes for _, v in leaves)
+
+    try:
+        model, weight_bytes = device.call(_load)
+    except (ValueError, KeyError, AttributeError, TypeError, OSError) as exc:
+        raise ModelNotAvailable(f"mlx-audio cannot load {path} ({type(exc).__name__}: {exc})") from None
+    if getattr(model, "_processor", None) is None:
+        raise ModelNotAvailable(f"{path} has no Whisper tokenizer mlx-audio can read (tokenizer.json, "
+                                "tokenizer_config.json, preprocessor_config.json).")
+    worker = AudioWorker(device, share)
+    _with_checkpoint(model.encoder, worker.checkpoint)
+    _with_checkpoint(model.decoder, worker.checkpoint)
+    model.decode = _reporting_decode(model.decode)
+    log.info("audio model %s loaded (whisper, %s)", name, "multilingual" if model.is_multilingual else "English")
+    return LoadedAudio(name, path, model, worker, stt=True, tts=False, multilingual=bool(model.is_multilingual),
+                       sample_rate=STT_RATE, voices=(), weight_bytes=weight_bytes,
+                       smoke_test=bool(config.get("flow_smoke_test")))
+
+
+def to_float32(model: Any) -> None:
+    """A float16 Whisper as float32 (weights, the encoder's positional table, its compute dtype)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda x: x.astype(mx.float32) if x.dtype == mx.float16 else x, model.parameters()))
+    model.encoder._positional_embedding = model.encoder._positional_embedding.astype(mx.float32)
+    model.dtype = mx.float32
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    task: str = "transcribe"
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float | None = None  # None: Whisper's fallback schedule (0.0, 0.2, … 1.0)
+    word_timestamps: bool = False
+    seed: int = 0
+
+    def generate_kwargs(self, model: Any) -> dict[str, Any]:
+        """The keyword arguments of mlx-audio's ``generate`` for these options (shared with reference calls)."""
+        import mlx.core as mx
+
+        kwargs: dict[str, Any] = {"task": self.task, "language": self.language, "initial_prompt": self.prompt,
+                                  "word_timestamps": self.word_timestamps, "verbose": None,
+                                  "fp16": model.dtype == mx.float16}
+        if self.temperature is not None:
+            kwargs["temperature"] = self.temperature
+        return kwargs
+
+
+@dataclass(frozen=True)
+class TranscriptResult:
+    text: str
+    language: str
+    segments: tuple[TranscriptSegment, ...]
+
+
+SegmentSink = Callable[[list[TranscriptSegment]], None]
+
+
+class _SegmentReporter:
+    """Hands a job's finished segments to its sink, each once."""
+
+    def __init__(self, sink: SegmentSink) -> None:
+        self.sink = sink
+        self.reported = 0
+
+    def report(self, raw: list[dict[str, Any]]) -> None:
+        if len(raw) > self.reported:
+            self.sink([segment_of(s) for s in raw[self.reported:]])
+            self.reported = len(raw)
+
+
+def _reporting_decode(decode: Callable[..., Any]) -> Callable[..., Any]:
+    """Whisper's per-window ``decode``, telling the running job's reporter (if it has one) the segments
+    finished before this window."""
+
+    def reporting(*args: Any, **kwargs: Any) -> Any:
+        import greenlet
+
+        reporter = getattr(greenlet.getcurrent(), "flow_reporter", None)
+        if reporter is not None:
+            reporter.report(_segments_so_far())
+        return decode(*args, **kwargs)
+
+    return reporting
+
+
+def transcribe(loaded: LoadedAudio, audio: Any, options: TranscribeOptions,
+               on_segments: SegmentSink | None = None) -> TranscriptResult:
+    """mlx-audio's Whisper ``generate`` on ``audio`` (16 kHz mono float32). Runs inside an audio job (or
+    directly on the device thread). ``on_segments`` hears finished segments while later windows decode."""
+    import greenlet
+    import mlx.core as mx
+
+    model = loaded.model
+    mx.random.seed(options.seed)  # the fallback temperatures sample: the same audio gives the same text
+    current = greenlet.getcurrent()
+    reporter = _SegmentReporter(on_segments) if on_segments is not None else None
+    current.flow_reporter = reporter
+    try:
+        output = model.generate(audio, **options.generate_kwargs(model))
+    finally:
+        current.flow_reporter = None
+    if reporter is not None:
+        reporter.report(list(output.segments))
+    segments = tuple(segment_of(s) for s in output.segments)
+    return TranscriptResult(output.text, output.language or options.language or "en", segments)
+
+
+def _segments_so_far() -> list[dict[str, Any]]:
+    """The segments mlx-audio's Whisper ``generate`` has finished, read from its frame while it asks for the
+    next window's decode (its windows' segments are final once the next window starts). Whisper's loop keeps
+    them in a local list; if a later mlx-audio names it otherwise, the stream sends the text at the end."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_name != "generate":
+        frame = frame.f_back  # type: ignore[assignment]
+    found = frame.f_locals.get("all_segments") if frame is not None else None
+    return list(found) if isinstance(found, list) else []
+
+
+def segment_of(raw: dict[str, Any]) -> TranscriptSegment:
+    words = tuple(TranscriptWord(str(w["word"]), float(w["start"]), float(w["end"])) for w in raw.get("words") or ())
+    return TranscriptSegment(
+        id=int(raw.get("id", 0)), seek=int(raw.get("seek", 0)), start=float(raw["start"]), end=float(raw["end"]),
+        text=str(raw["text"]), tokens=tuple(int(t) for t in raw.get("tokens") or ()),
+        temperature=float(raw.get("temperature") or 0.0), avg_logprob=float(raw.get("avg_logprob", 0.0)),
+        compression_ratio=float(raw.get("compression_ratio", 0.0)),
+        no_speech_prob=float(raw.get("no_speech_prob", 0.0)), words=words)
+
+
+def whisper_languages() -> dict[str, str]:
+    """Whisper's language codes and the names it also accepts (lower case) → code."""
+    from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
+
+    return {**{code: code for code in LANGUAGES}, **TO_LANGUAGE_CODE}
