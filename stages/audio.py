@@ -120,6 +120,7 @@ class Transcribe(Stage[TranscriptionRequest, TranscriptEvent]):
                 nonlocal sent
                 async for segments in receive:
                     text = "".join(s.text for s in segments)
+                    text = text if sent else text.lstrip()  # the transcript's text starts with its first word
                     if text:
                         sent += text
                         await outbox.send(TranscriptDelta(text))
@@ -132,9 +133,10 @@ class Transcribe(Stage[TranscriptionRequest, TranscriptEvent]):
                 raise
             finally:
                 send.close()  # segments reported before the result came first (run_sync_soon keeps order)
-        if request.stream and result.text.startswith(sent) and len(result.text) > len(sent):
-            await outbox.send(TranscriptDelta(result.text[len(sent):]))
-        await outbox.send(Transcript(request, model, result.text, result.language, len(samples) / loaded.sample_rate,
+        text = result.text.strip()  # Whisper's text starts with a space token; OpenAI's answers do not
+        if request.stream and text.startswith(sent) and len(text) > len(sent):
+            await outbox.send(TranscriptDelta(text[len(sent):]))
+        await outbox.send(Transcript(request, model, text, result.language, len(samples) / loaded.sample_rate,
                                      result.segments))
 
 
