@@ -23,7 +23,16 @@ from stages.anthropic import (
     AnthropicMessagesDecode,
     AnthropicMessagesFormat,
 )
-from stages.audio import Transcribe, TranscriptionsDecode, TranscriptionsFormat, TranslationsDecode
+from stages.audio import (
+    SpeechDecode,
+    SpeechFormat,
+    Synthesize,
+    Transcribe,
+    TranscriptionsDecode,
+    TranscriptionsFormat,
+    TranslationsDecode,
+    VoicesList,
+)
 from stages.chat import ChatPrepare, ChatProcess
 from stages.echo import EchoGenerate
 from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
@@ -43,6 +52,7 @@ STAGES = (
     ModelsList,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     TranscriptionsDecode, TranslationsDecode, Transcribe, TranscriptionsFormat,
+    SpeechDecode, Synthesize, SpeechFormat, VoicesList,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
 )
 RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)

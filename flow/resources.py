@@ -86,6 +86,9 @@ class ModelConfig(ResourceConfig):
         default=0.3, gt=0, le=1, description="audio models: the most of the device's time audio jobs take while "
                                              "other models' requests wait (a long transcription does not freeze "
                                              "chat streams); alone, they take all of it")
+    speech_max_tokens: int | None = Field(
+        default=None, ge=1, description="text-to-speech models that generate audio tokens: the most tokens one "
+                                        "sentence may take (default: the model's own cap)")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
 
@@ -362,6 +365,10 @@ class ModelSet:
             for model_id in model.ids:
                 self._by_id.setdefault(model_id, model)
             self._patterns.extend((pattern, model) for pattern in model.patterns)
+
+    def all(self) -> list[ModelResource]:
+        """Every model of the set, once."""
+        return list({id(m): m for m in [*self._by_id.values(), *(m for _, m in self._patterns)]}.values())
 
     def find(self, model_id: str) -> ModelResource | None:
         """The model an exact id names, else the first whose glob alias matches it."""

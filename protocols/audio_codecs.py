@@ -12,7 +12,7 @@ while decoding, so an over-long file is never decoded whole).
 
 :class:`AudioEncoder` writes samples as a client asked for them (``mp3``, ``opus``, ``aac``, ``flac``,
 ``wav``, ``pcm``) in chunks: one container header, then samples as they come, so a streamed response is
-one file, never several glued together.
+one file, never several glued together. Resampling (to a rate the codec takes) is PyAV's too.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -112,12 +112,9 @@ def _too_long(label: str, seconds: float, limit: float) -> ApiError:
                     "Split the audio and send the parts.", "audio_too_long")
 
 
-SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
-
-
 @dataclass(frozen=True)
 class _Format:
-    container: str
+    container: str | None  # None: raw samples, no container
     codec: str
     sample_format: str
     content_type: str
@@ -131,82 +128,94 @@ FORMATS: dict[str, _Format] = {
     "aac": _Format("adts", "aac", "fltp", "audio/aac"),
     "flac": _Format("flac", "flac", "s16", "audio/flac"),
     "wav": _Format("wav", "pcm_s16le", "s16", "audio/wav"),
+    # OpenAI's pcm: signed 16-bit little-endian mono at 24 kHz, whatever the model's rate.
+    "pcm": _Format(None, "pcm_s16le", "s16", "audio/pcm", (24000,)),
 }
-PCM_CONTENT_TYPE = "audio/pcm"  # raw signed 16-bit little-endian mono, at the model's rate
 
 
-def content_type(fmt: str) -> str:
-    return PCM_CONTENT_TYPE if fmt == "pcm" else FORMATS[fmt].content_type
+def output_rate(fmt: str, rate: int) -> int:
+    """The rate a clip of ``rate`` Hz is written at in ``fmt``: its own where the codec takes it, else the
+    nearest rate above it the codec takes (else the highest)."""
+    rates = FORMATS[fmt].rates
+    if not rates or rate in rates:
+        return rate
+    return min(rates, key=lambda r: (r < rate, abs(r - rate)))
 
 
 class AudioEncoder:
     """Mono float32 samples in, encoded bytes out, chunk by chunk: :meth:`encode` returns the bytes ready so
-    far (the header first), :meth:`finish` the rest. ``pcm`` is raw 16-bit samples; ``wav`` streams with
-    a header that declares an unknown length (what FFmpeg writes to a pipe), as OpenAI's streamed WAV does."""
+    far (the container header first), :meth:`finish` the rest. A streamed WAV's header declares an unknown
+    length (what FFmpeg writes to a pipe), as OpenAI's streamed WAV does; ``pcm`` has no header at all."""
 
     def __init__(self, fmt: str, rate: int) -> None:
-        self.format = fmt
-        self.input_rate = rate
-        self._pcm = fmt == "pcm"
-        if self._pcm:
-            return
         import av
 
         spec = FORMATS[fmt]
-        self.rate = rate if not spec.rates or rate in spec.rates else min(spec.rates, key=lambda r: (r < rate, abs(r - rate)))
+        self.format = fmt
+        self.input_rate = rate
+        self.rate = output_rate(fmt, rate)
+        self.content_type = spec.content_type
+        self._resampler = av.AudioResampler(format=spec.sample_format, layout="mono", rate=self.rate)
+        self._raw = spec.container is None
         self._buffer = io.BytesIO()
         self._sent = 0
+        self._pts = 0
+        if self._raw:
+            return
         self._container = av.open(self._buffer, mode="w", format=spec.container)
         stream: Any = self._container.add_stream(spec.codec, rate=self.rate)
         stream.layout = "mono"
         stream.format = spec.sample_format
         self._stream = stream
-        self._resampler = av.AudioResampler(format=spec.sample_format, layout="mono", rate=self.rate)
-        self._pts = 0
 
     def encode(self, samples: np.ndarray) -> bytes:
-        if self._pcm:
-            return _pcm16(samples)
         import av
 
         frame = av.AudioFrame.from_ndarray(np.clip(samples, -1, 1).astype(np.float32).reshape(1, -1), format="flt",
                                            layout="mono")
         frame.sample_rate = self.input_rate
         for out in self._resampler.resample(frame):
-            self._mux(out)
+            self._write(out)
         return self._take()
 
     def finish(self) -> bytes:
-        if self._pcm:
-            return b""
         for out in self._resampler.resample(None):
-            self._mux(out)
-        for packet in self._stream.encode(None):
-            self._container.mux(packet)
-        self._container.close()
+            self._write(out)
+        if not self._raw:
+            for packet in self._stream.encode(None):
+                self._container.mux(packet)
+            self._container.close()
         return self._take()
 
-    def _mux(self, frame: Any) -> None:
+    def whole_file(self) -> bytes:
+        """After :meth:`finish`: the whole file, its header completed (a WAV's then declares its length)."""
+        return bytes(self._buffer.getvalue())
+
+    def _write(self, frame: Any) -> None:
+        if self._raw:
+            self._buffer.write(bytes(frame.planes[0])[: frame.samples * 2])
+            return
         frame.pts = self._pts
         self._pts += frame.samples
         for packet in self._stream.encode(frame):
             self._container.mux(packet)
 
     def _take(self) -> bytes:
-        data = self._buffer.getvalue()[self._sent:]
+        data = bytes(self._buffer.getvalue()[self._sent:])
         self._sent += len(data)
         return data
 
 
-def _pcm16(samples: np.ndarray) -> bytes:
-    return bytes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
-
-
 def encode_audio(samples: np.ndarray, rate: int, fmt: str) -> bytes:
-    """A whole clip as one file (a WAV header then declares its real length)."""
+    """A whole clip as one file."""
     encoder = AudioEncoder(fmt, rate)
-    head = encoder.encode(samples) + encoder.finish()
-    return bytes(head) if encoder._pcm else bytes(encoder._buffer.getvalue())
+    encoder.encode(samples)
+    encoder.finish()
+    return encoder.whole_file()
+
+
+def content_type(fmt: str) -> str:
+    return FORMATS[fmt].content_type
 
 
 def chunks(samples: np.ndarray, size: int) -> Iterator[np.ndarray]:

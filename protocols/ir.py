@@ -423,6 +423,48 @@ class Transcript:
 TranscriptEvent = Union[TranscriptDelta, Transcript]
 
 
+SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """Text to speech: the text, the voice and how the audio should come back."""
+
+    model: str
+    input: str
+    voice: str
+    instructions: str | None = None
+    speed: float = 1.0
+    response_format: SpeechFormat = "mp3"
+    stream_format: Literal["audio", "sse"] = "audio"
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class SpeechChunk:
+    """Speech for one piece of the input (a sentence, as soon as it is synthesized): mono float32
+    little-endian samples at ``sample_rate``."""
+
+    request: SpeechRequest
+    model: str
+    sample_rate: int
+    samples: bytes
+
+
+@dataclass(frozen=True)
+class SpeechDone:
+    """The end of a speech stream."""
+
+    request: SpeechRequest
+    model: str
+    sample_rate: int
+    samples: int  # in all chunks
+    input_characters: int
+
+
+SpeechEvent = Union[SpeechChunk, SpeechDone]
+
+
 @dataclass(frozen=True)
 class WireFrame:
     """Bytes for the client. The first frame of a response carries its head."""

@@ -188,28 +188,41 @@ class LoadedAudio:
     smoke_test: bool
 
     @property
+    def accepted_voices(self) -> tuple[str, ...]:
+        """The voice names a text-to-speech model answers to: its own, or — a model with one voice — ``default``
+        and OpenAI's names, so OpenAI clients work unchanged."""
+        from protocols.openai_speech import OPENAI_VOICES
+
+        return self.voices or ("default", *OPENAI_VOICES)
+
+    @property
     def capabilities(self) -> list[str]:
         """What it does: ``stt`` (speech to text), ``tts`` (text to speech)."""
         return [name for name, able in (("stt", self.stt), ("tts", self.tts)) if able]
 
 
 def load_audio_model(name: str, path: Path, device: DeviceThread, share: float = 0.3) -> LoadedAudio:
-    """Load an mlx-audio speech-to-text model on the device thread (blocking the caller)."""
+    """Load an mlx-audio model on the device thread (blocking the caller): a Whisper (speech to text) or one of
+    mlx-audio's text-to-speech architectures."""
     import json
 
     config = json.loads((path / "config.json").read_text())
     model_type = str(config.get("model_type", "")).lower()
-    if model_type != "whisper":
+    stt = model_type == "whisper"
+    if not stt and not _is_tts_type(model_type):
         raise ModelNotAvailable(f"{path} is a {model_type or 'unknown'} audio model; this version of flow serves "
-                                "Whisper speech-to-text models (model_type \"whisper\") through mlx-audio.")
+                                "Whisper speech-to-text models and mlx-audio's text-to-speech models.")
 
     def _load() -> tuple[Any, int]:
         import mlx.core as mx
         from mlx.utils import tree_flatten
-        from mlx_audio.stt.utils import load_model
 
-        model = load_model(str(path))
-        if model.dtype == mx.float16 and not mx.metal.is_available():
+        if stt:
+            from mlx_audio.stt.utils import load_model
+        else:
+            from mlx_audio.tts.utils import load_model
+        model = load_model(path if not stt else str(path))
+        if stt and model.dtype == mx.float16 and not mx.metal.is_available():
             to_float32(model)  # MLX's CPU float16 arithmetic is several times slower than float32
         leaves: Any = tree_flatten(model.parameters())
         return model, sum(v.nbytes for _, v in leaves)
@@ -218,17 +231,57 @@ def load_audio_model(name: str, path: Path, device: DeviceThread, share: float =
         model, weight_bytes = device.call(_load)
     except (ValueError, KeyError, AttributeError, TypeError, OSError) as exc:
         raise ModelNotAvailable(f"mlx-audio cannot load {path} ({type(exc).__name__}: {exc})") from None
-    if getattr(model, "_processor", None) is None:
-        raise ModelNotAvailable(f"{path} has no Whisper tokenizer mlx-audio can read (tokenizer.json, "
-                                "tokenizer_config.json, preprocessor_config.json).")
     worker = AudioWorker(device, share)
-    _with_checkpoint(model.encoder, worker.checkpoint)
-    _with_checkpoint(model.decoder, worker.checkpoint)
-    model.decode = _reporting_decode(model.decode)
-    log.info("audio model %s loaded (whisper, %s)", name, "multilingual" if model.is_multilingual else "English")
-    return LoadedAudio(name, path, model, worker, stt=True, tts=False, multilingual=bool(model.is_multilingual),
-                       sample_rate=STT_RATE, voices=(), weight_bytes=weight_bytes,
+    if stt:
+        if getattr(model, "_processor", None) is None:
+            worker.close()
+            raise ModelNotAvailable(f"{path} has no Whisper tokenizer mlx-audio can read (tokenizer.json, "
+                                    "tokenizer_config.json, preprocessor_config.json).")
+        _with_checkpoint(model.encoder, worker.checkpoint)
+        _with_checkpoint(model.decoder, worker.checkpoint)
+        model.decode = _reporting_decode(model.decode)
+        voices: tuple[str, ...] = ()
+        multilingual, rate = bool(model.is_multilingual), STT_RATE
+    else:
+        _checkpoint_children(model, worker.checkpoint, depth=2)
+        multilingual, rate, voices = True, int(model.sample_rate), model_voices(model, path)
+    log.info("audio model %s loaded (%s, %s)", name, model_type, "speech to text" if stt else "text to speech")
+    return LoadedAudio(name, path, model, worker, stt=stt, tts=not stt, multilingual=multilingual,
+                       sample_rate=rate, voices=voices, weight_bytes=weight_bytes,
                        smoke_test=bool(config.get("flow_smoke_test")))
+
+
+def _is_tts_type(model_type: str) -> bool:
+    import importlib.util
+
+    from mlx_audio.tts.utils import MODEL_REMAPPING
+
+    module = MODEL_REMAPPING.get(model_type, model_type)
+    return bool(module) and importlib.util.find_spec(f"mlx_audio.tts.models.{module}") is not None
+
+
+def _checkpoint_children(module: Any, checkpoint: Callable[[], None], depth: int) -> None:
+    """Checkpoints on ``module``'s sub-modules down to ``depth`` levels (a text-to-speech model's language model
+    calls its embedding once per generated token; its decoder once per sentence)."""
+    from mlx.nn.layers.base import Module
+
+    for child in module.children().values():
+        if isinstance(child, Module):
+            _with_checkpoint(child, checkpoint)
+            if depth > 1:
+                _checkpoint_children(child, checkpoint, depth - 1)
+
+
+def model_voices(model: Any, path: Path) -> tuple[str, ...]:
+    """The voices a text-to-speech model ships (a ``voices`` table on the model, or a ``voices/`` folder of
+    voice files); none for a model with one voice."""
+    table = getattr(model, "voices", None)
+    if isinstance(table, dict) and table:
+        return tuple(sorted(str(v) for v in table))
+    folder = path / "voices"
+    if folder.is_dir():
+        return tuple(sorted({f.stem for f in folder.iterdir() if f.suffix in (".safetensors", ".pt", ".npy")}))
+    return ()
 
 
 def to_float32(model: Any) -> None:
@@ -348,3 +401,54 @@ def whisper_languages() -> dict[str, str]:
     from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
     return {**{code: code for code in LANGUAGES}, **TO_LANGUAGE_CODE}
+
+
+@dataclass(frozen=True)
+class SpeechOptions:
+    voice: str | None = None  # None: the model's one voice
+    speed: float = 1.0
+    instructions: str | None = None
+    max_tokens: int | None = None  # per piece, for models that generate tokens (None: the model's default)
+    seed: int = 0
+
+    def generate_kwargs(self, model: Any) -> dict[str, Any]:
+        """The keyword arguments of the model's ``generate`` for these options (shared with reference calls);
+        each only where the model's ``generate`` takes it."""
+        accepted = speech_parameters(model)
+        kwargs: dict[str, Any] = {"verbose": False}
+        if self.voice is not None:
+            kwargs["voice"] = self.voice
+        if "speed" in accepted:
+            kwargs["speed"] = self.speed
+        if self.instructions is not None:
+            kwargs["instruct"] = self.instructions
+        if self.max_tokens is not None and "max_tokens" in accepted:
+            kwargs["max_tokens"] = self.max_tokens
+        return kwargs
+
+
+def speech_parameters(model: Any) -> frozenset[str]:
+    """The named parameters of a text-to-speech model's ``generate``."""
+    import inspect
+
+    return frozenset(inspect.signature(model.generate).parameters)
+
+
+AudioSink = Callable[[Any], None]
+
+
+def synthesize(loaded: LoadedAudio, pieces: list[str], options: SpeechOptions, on_audio: AudioSink) -> int:
+    """Speak ``pieces`` in order with mlx-audio, handing each piece's samples (float32 numpy) to ``on_audio``
+    as soon as they are synthesized; the number of samples. Runs inside an audio job."""
+    import mlx.core as mx
+    import numpy as np
+
+    mx.random.seed(options.seed)  # sampling models: the same text gives the same speech
+    kwargs = options.generate_kwargs(loaded.model)
+    total = 0
+    for piece in pieces:
+        for result in loaded.model.generate(piece, **kwargs):
+            samples = np.array(result.audio, dtype=np.float32).reshape(-1)
+            total += len(samples)
+            on_audio(samples)
+    return total

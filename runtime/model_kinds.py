@@ -28,7 +28,9 @@ SENTENCE_TRANSFORMERS_FILES = frozenset({"modules.json", "config_sentence_transf
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "xlm_roberta", "modernbert", "nomic_bert",
                            "distilbert", "electra", "mpnet", "deberta", "deberta-v2", "new", "jina_bert"})
 AUDIO_TYPES = frozenset({"whisper", "qwen2_audio", "voxtral", "parakeet", "wav2vec2", "hubert", "kokoro", "csm",
-                         "dia", "outetts", "spark", "sesame", "bark", "speecht5", "encodec", "mimi"})
+                         "dia", "outetts", "spark", "sesame", "bark", "speecht5", "encodec", "mimi", "soprano",
+                         "kitten_tts", "moonshine", "qwen3_tts", "qwen3_asr", "chatterbox", "vibevoice", "voxcpm",
+                         "melotts", "pocket_tts"})
 VISION_TYPES = frozenset({"llava", "llava_next", "llava-qwen2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics2",
                           "idefics3", "smolvlm", "paligemma", "pixtral", "mistral3", "mllama", "llama4",
                           "gemma3n", "florence2", "molmo", "multi_modality", "deepseek_vl_v2", "internvl_chat",

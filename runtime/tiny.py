@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "whisper"]
+Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "whisper", "soprano"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -116,6 +116,8 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-qwen3-embedding": TinySpec(embedding=True),
     # Speech to text (mlx-audio): a multilingual Whisper layout (runtime/tiny_audio.py).
     "tiny-whisper": TinySpec(arch="whisper", hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=256),
+    # Text to speech (mlx-audio): a Soprano (Qwen3 language model + Vocos decoder) (runtime/tiny_audio.py).
+    "tiny-soprano": TinySpec(arch="soprano", vocab_size=600),
     "tiny-reranker": TinySpec(arch="modernbert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=64,
                               vocab_size=1000, max_position_embeddings=512),
     # ~88M parameters (untied lm_head): big enough that decode speed means something.
@@ -781,10 +783,10 @@ def _write_model_files(out: Path, spec: TinySpec) -> None:
     if spec.arch in ("bert", "modernbert"):
         _write_encoder_files(out, spec)
         return
-    if spec.arch == "whisper":
-        from runtime.tiny_audio import write_whisper_files
+    if spec.arch in ("whisper", "soprano"):
+        from runtime.tiny_audio import write_soprano_files, write_whisper_files
 
-        write_whisper_files(out, spec)
+        (write_whisper_files if spec.arch == "whisper" else write_soprano_files)(out, spec)
         return
     info = _ARCHS[spec.arch]
     tok = _train_tokenizer(info, spec.vocab_size)

@@ -1,5 +1,10 @@
 """Tiny random-weight audio models, built locally as mlx-audio loads real ones (see :mod:`runtime.tiny`).
 
+A tiny Soprano is mlx-audio's ``soprano`` text-to-speech architecture — a Qwen3 language model whose hidden
+states a Vocos decoder turns into 32 kHz audio, 2,048 samples per generated token — with a small language
+model and a byte-level BPE vocabulary holding Soprano's ``[STOP]``, ``[TEXT]`` and ``[START]`` tokens. Its
+random weights rarely pick ``[STOP]``: a sentence's speech is as long as the token cap allows.
+
 A tiny Whisper is the real architecture (mlx-audio's ``whisper`` model type) at a small width, with a
 multilingual Whisper vocabulary laid out as OpenAI's checkpoints lay it out: text tokens, ``<|endoftext|>``,
 ``<|startoftranscript|>``, the 99 language tokens, the task tokens, ``<|notimestamps|>``, then the 1,501
@@ -92,3 +97,41 @@ def write_whisper_files(out: Path, spec: TinySpec) -> None:
     (out / "README.md").write_text(f"# {SMOKE_TEST_LABEL}\n\nA `whisper` speech-to-text model with random weights "
                                    f"(cache key `{spec.cache_key()}`): its transcripts mean nothing.\n",
                                    encoding="utf-8")
+
+
+SOPRANO_SPECIALS = ("[STOP]", "[TEXT]", "[START]")
+
+
+def write_soprano_files(out: Path, spec: TinySpec) -> None:
+    """A Soprano checkpoint in mlx-audio's layout (config.json, model.safetensors, tokenizer), random weights."""
+    from mlx_audio.tts.models.soprano.soprano import Model, ModelConfig
+
+    from runtime.tiny import _CORPUS, SMOKE_TEST_LABEL, _pseudo_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(SOPRANO_SPECIALS), show_progress=False)
+    tok.train_from_iterator(_CORPUS.splitlines() + _pseudo_text(3000), trainer=trainer)
+    config: dict[str, Any] = {
+        "model_type": "soprano", "architectures": ["Qwen3ForCausalLM"], "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers, "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "rms_norm_eps": 1e-6, "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 2048,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "sample_rate": 32000, "flow_smoke_test": True}
+    model = Model(ModelConfig.from_dict({**config, "model_path": str(out)}))
+    params = dict(tree_flatten(model.parameters()))
+    names = sorted(params)
+    keys = mx.random.split(mx.random.key(spec.seed), len(names))
+    weights = {name: (mx.random.normal(params[name].shape, key=keys[i]) * 0.02 if params[name].ndim >= 2
+                      else params[name]).astype(mx.float32) for i, name in enumerate(names)}
+    mx.eval(weights)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tok.save(str(out / "tokenizer.json"))
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[STOP]", "eos_token": "[STOP]",
+        "model_max_length": 2048, "clean_up_tokenization_spaces": False}, indent=1) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(f"# {SMOKE_TEST_LABEL}\n\nA `soprano` text-to-speech model with random weights "
+                                   f"(cache key `{spec.cache_key()}`): its speech is noise.\n", encoding="utf-8")

@@ -1,5 +1,13 @@
-"""The speech-to-text path: ``openai.audio.transcriptions.decode`` / ``openai.audio.translations.decode`` →
-``transcribe`` → ``openai.audio.transcriptions.format``.
+"""The audio paths of the OpenAI audio API.
+
+Speech to text: ``openai.audio.transcriptions.decode`` / ``openai.audio.translations.decode`` →
+``transcribe`` → ``openai.audio.transcriptions.format``. Text to speech: ``openai.audio.speech.decode`` →
+``synthesize`` → ``openai.audio.speech.format``; ``audio.voices`` lists the voices.
+
+``synthesize`` splits the input at sentence boundaries and speaks the sentences in one job of the model's
+audio worker, handing each sentence's samples on as a :class:`SpeechChunk` as soon as it is synthesized; the
+format stage encodes them into the requested container as they come (one header, then samples), so the first
+audio leaves before the rest of the input is spoken.
 
 ``transcribe`` decodes the upload (PyAV, on a worker thread: any accepted container, resampled to the
 model's rate, at most ``max_seconds`` long), checks the options against the model (a language Whisper
@@ -19,11 +27,15 @@ from pydantic import Field
 
 from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from flow.stage import ExitStage, Outbox, Stage, StageConfig
-from protocols import openai_audio, openai_chat
-from protocols.audio_codecs import decode_audio
+from protocols import openai_audio, openai_chat, openai_speech
+from protocols.audio_codecs import AudioEncoder, decode_audio
 from protocols.errors import ApiError
 from protocols.ir import (
     HttpRequest,
+    SpeechChunk,
+    SpeechDone,
+    SpeechEvent,
+    SpeechRequest,
     Transcript,
     TranscriptDelta,
     TranscriptEvent,
@@ -33,10 +45,12 @@ from protocols.ir import (
 )
 from protocols.sse import data_frame
 from runtime.device import wait_future
-from stages.protocol import SSE_HEADERS, BodyDecode
+from stages.protocol import SSE_HEADERS, BodyDecode, EndpointStage
 
 if TYPE_CHECKING:
-    from runtime.audio import LoadedAudio, TranscribeOptions
+    import numpy as np
+
+    from runtime.audio import LoadedAudio, SpeechOptions, TranscribeOptions
 
 MAX_PROMPT_CHARS = 4096  # Whisper reads at most 223 prompt tokens; a longer prompt is a mistake
 
@@ -189,3 +203,152 @@ class TranscriptionsFormat(ExitStage[TranscriptEvent, WireFrame]):
                 continue
             body, content_type = openai_audio.encode_transcript(event)
             await outbox.send(WireFrame(body, headers=(("content-type", content_type),)))
+
+
+# ---------------------------------------------------------------------------------------------- text to speech
+class SpeechDecode(BodyDecode[SpeechRequest]):
+    type_name: ClassVar[str] = "openai.audio.speech.decode"
+    output_type: ClassVar[Any] = SpeechRequest
+    description = "validates an OpenAI speech body (input, voice, instructions, speed, formats)"
+
+    def decode(self, http: HttpRequest) -> SpeechRequest:
+        return openai_speech.decode_speech_request(http.body, http.request_id)
+
+
+class AudioModelsConfig(StageConfig):
+    models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
+
+
+class Synthesize(Stage[SpeechRequest, SpeechEvent]):
+    type_name: ClassVar[str] = "synthesize"
+    input_type: ClassVar[Any] = SpeechRequest
+    output_type: ClassVar[Any] = SpeechEvent
+    Config = AudioModelsConfig
+    references = MODEL_REFERENCES
+    description = ("speaks text with a text-to-speech model (mlx-audio) sentence by sentence, each sentence's "
+                   "audio handed on as soon as it is synthesized; shares the device thread fairly with chat")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet(self.links.many("models", ModelResource))
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[SpeechRequest], outbox: Outbox[SpeechEvent]) -> None:
+        from runtime.audio import synthesize
+
+        async for request in inbox:
+            resource = self.models.lookup(request.model, kind="audio")
+            loaded = await resource.ensure_audio()
+            if not loaded.tts:
+                raise ApiError("invalid_request", f"The model {resource.name!r} transcribes speech and does not make "
+                               f"it. Models that speak: {', '.join(self.speakers()) or '(none on this server)'}.",
+                               param="model", code="wrong_model_kind")
+            options = speech_options(resource, loaded, request)
+            pieces = openai_speech.sentences(request.input)
+            send, receive = trio.open_memory_channel[bytes](math.inf)
+            token = trio.lowlevel.current_trio_token()
+
+            def push(samples: bytes) -> None:
+                try:
+                    send.send_nowait(samples)
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass  # the request is over
+
+            def on_audio(samples: np.ndarray) -> None:  # on the device thread
+                try:
+                    token.run_sync_soon(push, samples.astype("<f4").tobytes())
+                except trio.RunFinishedError:
+                    pass
+
+            future = loaded.worker.submit(lambda: synthesize(loaded, pieces, options, on_audio))
+            async with trio.open_nursery() as nursery:
+                async def forward() -> None:
+                    async for samples in receive:
+                        await outbox.send(SpeechChunk(request, resource.name, loaded.sample_rate, samples))
+
+                nursery.start_soon(forward)
+                try:
+                    total = await wait_future(future)
+                except trio.Cancelled:
+                    future.cancel()  # the client left: the job ends at its next checkpoint
+                    raise
+                finally:
+                    send.close()  # audio reported before the result came first (run_sync_soon keeps order)
+            await outbox.send(SpeechDone(request, resource.name, loaded.sample_rate, total, len(request.input)))
+
+    def speakers(self) -> list[str]:
+        return sorted(m.name for m in self.models.all() if m.audio is not None and m.audio.tts)
+
+
+def speech_options(resource: ModelResource, loaded: LoadedAudio, request: SpeechRequest) -> SpeechOptions:
+    """The request's options for this model, or a 400 saying what it accepts."""
+    from runtime.audio import SpeechOptions, speech_parameters
+
+    voices = loaded.accepted_voices
+    if request.voice not in voices:
+        raise ApiError("invalid_request", f"The model {resource.name!r} has no voice {request.voice!r}; its voices: "
+                       f"{', '.join(voices)} (GET /v1/audio/voices lists them).", param="voice",
+                       code="unknown_voice")
+    accepted = speech_parameters(loaded.model)
+    if request.speed != 1.0 and "speed" not in accepted:
+        raise ApiError("invalid_request", f"The model {resource.name!r} speaks at one speed; send speed = 1.0 or "
+                       "leave it out.", param="speed")
+    if request.instructions and "instruct" not in accepted:
+        raise ApiError("invalid_request", f"The model {resource.name!r} takes no voice instructions; leave "
+                       "'instructions' out.", param="instructions")
+    return SpeechOptions(voice=request.voice if loaded.voices else None, speed=request.speed,
+                         instructions=request.instructions, max_tokens=resource.config.speech_max_tokens)
+
+
+class SpeechFormat(ExitStage[SpeechEvent, WireFrame]):
+    type_name: ClassVar[str] = "openai.audio.speech.format"
+    input_type: ClassVar[Any] = SpeechEvent
+    output_type: ClassVar[Any] = WireFrame
+    codec = openai_chat.ChatCodec  # OpenAI's error shape
+    description = ("streams speech as the requested file (mp3, opus, aac, flac, wav, pcm: one header, then "
+                   "samples) or as SSE speech.audio.delta / speech.audio.done events")
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[SpeechEvent], outbox: Outbox[WireFrame]) -> None:
+        import numpy as np
+
+        encoder: AudioEncoder | None = None
+        sse = False
+        async for event in inbox:
+            if encoder is None:
+                encoder = AudioEncoder(event.request.response_format, event.sample_rate)
+                sse = event.request.stream_format == "sse"
+                headers = SSE_HEADERS if sse else (("content-type", encoder.content_type),
+                                                   ("x-sample-rate", str(encoder.rate)))
+                await outbox.send(WireFrame(b"", headers=headers, streaming=True))
+            if isinstance(event, SpeechChunk):
+                data = await trio.to_thread.run_sync(encoder.encode, np.frombuffer(event.samples, dtype="<f4"))
+            else:
+                data = await trio.to_thread.run_sync(encoder.finish)
+            if data:
+                await outbox.send(WireFrame(data_frame(openai_speech.delta_event(data)) if sse else data))
+            if isinstance(event, SpeechDone) and sse:
+                await outbox.send(WireFrame(data_frame(openai_speech.done_event(event))))
+
+
+class VoicesList(EndpointStage):
+    type_name: ClassVar[str] = "audio.voices"
+    Config = AudioModelsConfig
+    references = MODEL_REFERENCES
+    codec = openai_chat.ChatCodec
+    description = "lists the voices of the text-to-speech models (GET /v1/audio/voices, ?model= for one)"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet(self.links.many("models", ModelResource))
+
+    async def answer(self, http: HttpRequest) -> Any:
+        from urllib.parse import parse_qs
+
+        wanted = parse_qs(http.query).get("model", [None])[0]
+        chosen = [self.models.lookup(wanted, kind="audio")] if wanted else [
+            m for m in self.models.all() if m.kind in ("audio", None)]
+        listing: list[tuple[str, tuple[str, ...]]] = []
+        for model in chosen:
+            loaded = await model.ensure_audio()
+            if loaded.tts:
+                listing.append((model.name, loaded.accepted_voices))
+        return openai_speech.voices_list(listing)

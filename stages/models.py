@@ -51,7 +51,7 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
         elif model.audio is not None:
             entry["capabilities"] = model.audio.capabilities
             if model.audio.tts:
-                entry["voices"] = list(model.audio.voices)
+                entry["voices"] = list(model.audio.accepted_voices)
         if loaded is not None:
             if loaded.smoke_test:
                 entry["description"] = "SMOKE-TEST MODEL: random weights, output is gibberish"
