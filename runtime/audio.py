@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Awaitable
 from typing import Any, Generic, TypeVar
 
 from protocols.ir import TranscriptSegment, TranscriptWord
@@ -37,6 +38,7 @@ from runtime.models import ModelNotAvailable
 log = logging.getLogger("flow.audio")
 
 T = TypeVar("T")
+P = TypeVar("P")
 STT_RATE = 16000  # what Whisper-family models read
 
 
@@ -157,6 +159,49 @@ class AudioWorker:
     def stats_json(self) -> dict[str, Any]:
         return {"jobs_done": self.jobs_done, "waiting_jobs": len(self._jobs),
                 "device_seconds": round(self.device_seconds, 3), "yields": self.yields, "share": self.share}
+
+
+async def run_reporting(worker: AudioWorker, job: Callable[[Callable[[P], None]], T],
+                        deliver: Callable[[P], Awaitable[None]]) -> T:
+    """Run ``job(report)`` as a job of ``worker`` and wait for its result in trio. What the job reports on the
+    device thread (a transcript's finished segments, a sentence's speech) is handed to ``deliver`` in trio, in
+    order, all of it before the result returns. Cancelling the wait (the client left) ends the job at its next
+    checkpoint."""
+    import math
+
+    import trio
+
+    from runtime.device import wait_future
+
+    send, receive = trio.open_memory_channel[P](math.inf)
+    token = trio.lowlevel.current_trio_token()
+
+    def push(item: P) -> None:
+        try:
+            send.send_nowait(item)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the request is over
+
+    def report(item: P) -> None:  # on the device thread
+        try:
+            token.run_sync_soon(push, item)
+        except trio.RunFinishedError:
+            pass
+
+    future = worker.submit(lambda: job(report))
+    async with trio.open_nursery() as nursery:
+        async def forward() -> None:
+            async for item in receive:
+                await deliver(item)
+
+        nursery.start_soon(forward)
+        try:
+            return await wait_future(future)
+        except trio.Cancelled:
+            future.cancel()
+            raise
+        finally:
+            send.close()  # reports made before the result came first: run_sync_soon keeps their order
 
 
 def _with_checkpoint(module: Any, checkpoint: Callable[[], None]) -> None:

@@ -11,8 +11,8 @@ multilingual Whisper vocabulary laid out as OpenAI's checkpoints lay it out: tex
 timestamp tokens ``<|0.00|>`` … ``<|30.00|>`` — 51,865 ids, so mlx-audio treats it as multilingual (language
 detection, translation). The text part is a small byte-level BPE, padded with word-like filler tokens
 (`` w123``) up to Whisper's 50,257 text ids: random weights pick those often, and they decode to words.
-The encoder keeps Whisper's fixed input (80 mel bins, 1,500 positions for 30 seconds); the decoder reads 96
-positions (a window decodes at most 48 tokens), so a random-weight transcript stays quick.
+The encoder keeps Whisper's fixed input (80 mel bins, 1,500 positions for 30 seconds); the decoder reads 64
+positions (a window decodes at most 32 tokens), so a random-weight transcript stays quick.
 """
 
 from __future__ import annotations
@@ -41,17 +41,23 @@ def _whisper_specials() -> list[str]:
 
 
 def whisper_tokenizer() -> Tokenizer:
-    """A Whisper-layout vocabulary (see the module docstring)."""
+    """A Whisper-layout vocabulary (see the module docstring). The filler words are plain vocabulary entries
+    (``Ġw123``: no merge reaches them, byte-level decoding gives `` w123``), not added tokens, so the tokenizer
+    loads as fast as a real one."""
     from runtime.tiny import _CORPUS, _pseudo_text
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=WHISPER_BPE_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_CORPUS.splitlines() + _pseudo_text(3000), trainer=trainer)
-    filler = WHISPER_TEXT_TOKENS - tok.get_vocab_size()
-    tok.add_tokens([AddedToken(f" w{i}", special=False, normalized=False) for i in range(filler)])
+    trained.train_from_iterator(_CORPUS.splitlines() + _pseudo_text(3000), trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab: dict[str, int] = dict(model["vocab"])
+    vocab.update({f"\u0120w{i}": i for i in range(len(vocab), WHISPER_TEXT_TOKENS)})
+    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _whisper_specials()])
     tok.add_tokens([AddedToken(f"<|{i * 0.02:.2f}|>", special=False, normalized=False) for i in range(TIMESTAMPS)])
     return tok
@@ -65,7 +71,7 @@ def write_whisper_files(out: Path, spec: TinySpec) -> None:
     tok = whisper_tokenizer()
     n_vocab = tok.get_vocab_size()
     dims = {"n_mels": 80, "n_audio_ctx": 1500, "n_audio_state": spec.hidden_size, "n_audio_head": spec.num_heads,
-            "n_audio_layer": spec.num_layers, "n_vocab": n_vocab, "n_text_ctx": 96, "n_text_state": spec.hidden_size,
+            "n_audio_layer": spec.num_layers, "n_vocab": n_vocab, "n_text_ctx": 64, "n_text_state": spec.hidden_size,
             "n_text_head": spec.num_heads, "n_text_layer": spec.num_layers}
     model = Model(ModelDimensions(**dims), dtype=mx.float32)
     params = dict(tree_flatten(model.parameters()))

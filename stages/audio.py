@@ -19,8 +19,7 @@ ends with the :class:`Transcript`.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import trio
 from pydantic import Field
@@ -44,7 +43,6 @@ from protocols.ir import (
     WireFrame,
 )
 from protocols.sse import data_frame
-from runtime.device import wait_future
 from stages.protocol import SSE_HEADERS, BodyDecode, EndpointStage
 
 if TYPE_CHECKING:
@@ -52,6 +50,8 @@ if TYPE_CHECKING:
 
     from runtime.audio import LoadedAudio, SpeechOptions, TranscribeOptions
 
+In = TypeVar("In")
+Out = TypeVar("Out")
 MAX_PROMPT_CHARS = 4096  # Whisper reads at most 223 prompt tokens; a longer prompt is a mistake
 
 
@@ -73,34 +73,61 @@ class TranslationsDecode(TranscriptionsDecode):
     task: ClassVar[str] = "translate"
 
 
-class TranscribeConfig(StageConfig):
+class AudioModelsConfig(StageConfig):
     models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
+
+
+CAPABILITY_LABELS = {"stt": ("speech-to-text", "transcribe speech"), "tts": ("text-to-speech", "speak")}
+
+
+class AudioModelStage(Stage[In, Out]):
+    """A stage that works with one of its audio models, which must have its ``capability``."""
+
+    Config: ClassVar[type[StageConfig]] = AudioModelsConfig
+    references = MODEL_REFERENCES
+    capability: ClassVar[str]  # "stt" or "tts"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.models = ModelSet(self.links.many("models", ModelResource))
+
+    async def audio_model(self, model_id: str) -> tuple[ModelResource, LoadedAudio]:
+        """The audio model a request names, loaded; a 400 naming the models that can serve it if it is of
+        another kind or cannot do this."""
+        resource = self.models.lookup(model_id, kind="audio")
+        loaded = await resource.ensure_audio()
+        if self.capability not in loaded.capabilities:
+            kind, able = CAPABILITY_LABELS[self.capability]
+            can = sorted(m.name for m in self.models.all()
+                         if m.audio is not None and self.capability in m.audio.capabilities)
+            raise ApiError("invalid_request", f"The model {resource.name!r} is not a {kind} model: it cannot "
+                           f"{able}. Models that can: {', '.join(can) or '(none loaded on this server)'}.",
+                           param="model", code="wrong_model_kind")
+        return resource, loaded
+
+
+class TranscribeConfig(AudioModelsConfig):
     max_seconds: float = Field(default=1800.0, gt=0, description="the longest recording a request may send")
 
 
-class Transcribe(Stage[TranscriptionRequest, TranscriptEvent]):
+class Transcribe(AudioModelStage[TranscriptionRequest, TranscriptEvent]):
     type_name: ClassVar[str] = "transcribe"
     input_type: ClassVar[Any] = TranscriptionRequest
     output_type: ClassVar[Any] = TranscriptEvent
     Config = TranscribeConfig
-    references = MODEL_REFERENCES
+    capability = "stt"
     description = ("transcribes or translates speech with a Whisper model (mlx-audio), sharing the device thread "
                    "fairly with chat; streams finished segments")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
         assert isinstance(self.config, TranscribeConfig)
         self.max_seconds = self.config.max_seconds
 
     async def run(self, inbox: trio.MemoryReceiveChannel[TranscriptionRequest],
                   outbox: Outbox[TranscriptEvent]) -> None:
         async for request in inbox:
-            resource = self.models.lookup(request.model, kind="audio")
-            loaded = await resource.ensure_audio()
-            if not loaded.stt:
-                raise ApiError("invalid_request", f"The model {resource.name!r} makes speech (text to speech) and "
-                               "does not transcribe.", param="model", code="wrong_model_kind")
+            resource, loaded = await self.audio_model(request.model)
             options = transcribe_options(resource.name, loaded, request)
             samples = await trio.to_thread.run_sync(decode_audio, request.audio, loaded.sample_rate,
                                                     self.max_seconds, request.filename)
@@ -109,44 +136,21 @@ class Transcribe(Stage[TranscriptionRequest, TranscriptEvent]):
     @staticmethod
     async def _transcribe(model: str, loaded: LoadedAudio, request: TranscriptionRequest,
                           options: TranscribeOptions, samples: Any, outbox: Outbox[TranscriptEvent]) -> None:
-        from runtime.audio import transcribe
+        from runtime.audio import run_reporting, transcribe
 
-        send, receive = trio.open_memory_channel[list[TranscriptSegment]](math.inf)
-        token = trio.lowlevel.current_trio_token()
-
-        def push(segments: list[TranscriptSegment]) -> None:
-            try:
-                send.send_nowait(segments)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass  # the request is over
-
-        def on_segments(segments: list[TranscriptSegment]) -> None:  # on the device thread
-            try:
-                token.run_sync_soon(push, segments)
-            except trio.RunFinishedError:
-                pass
-
-        sink = on_segments if request.stream else None
-        future = loaded.worker.submit(lambda: transcribe(loaded, samples, options, sink))
         sent = ""
-        async with trio.open_nursery() as nursery:
-            async def forward() -> None:
-                nonlocal sent
-                async for segments in receive:
-                    text = "".join(s.text for s in segments)
-                    text = text if sent else text.lstrip()  # the transcript's text starts with its first word
-                    if text:
-                        sent += text
-                        await outbox.send(TranscriptDelta(text))
 
-            nursery.start_soon(forward)
-            try:
-                result = await wait_future(future)
-            except trio.Cancelled:
-                future.cancel()  # the client left: the job ends at its next checkpoint
-                raise
-            finally:
-                send.close()  # segments reported before the result came first (run_sync_soon keeps order)
+        async def deliver(segments: list[TranscriptSegment]) -> None:
+            nonlocal sent
+            text = "".join(s.text for s in segments)
+            text = text if sent else text.lstrip()  # the transcript's text starts with its first word
+            if text:
+                sent += text
+                await outbox.send(TranscriptDelta(text))
+
+        result = await run_reporting(
+            loaded.worker, lambda report: transcribe(loaded, samples, options, report if request.stream else None),
+            deliver)
         text = result.text.strip()  # Whisper's text starts with a space token; OpenAI's answers do not
         if request.stream and text.startswith(sent) and len(text) > len(sent):
             await outbox.send(TranscriptDelta(text[len(sent):]))
@@ -215,69 +219,29 @@ class SpeechDecode(BodyDecode[SpeechRequest]):
         return openai_speech.decode_speech_request(http.body, http.request_id)
 
 
-class AudioModelsConfig(StageConfig):
-    models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
-
-
-class Synthesize(Stage[SpeechRequest, SpeechEvent]):
+class Synthesize(AudioModelStage[SpeechRequest, SpeechEvent]):
     type_name: ClassVar[str] = "synthesize"
     input_type: ClassVar[Any] = SpeechRequest
     output_type: ClassVar[Any] = SpeechEvent
-    Config = AudioModelsConfig
-    references = MODEL_REFERENCES
+    capability = "tts"
     description = ("speaks text with a text-to-speech model (mlx-audio) sentence by sentence, each sentence's "
                    "audio handed on as soon as it is synthesized; shares the device thread fairly with chat")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
-
     async def run(self, inbox: trio.MemoryReceiveChannel[SpeechRequest], outbox: Outbox[SpeechEvent]) -> None:
-        from runtime.audio import synthesize
+        from runtime.audio import run_reporting, synthesize
 
         async for request in inbox:
-            resource = self.models.lookup(request.model, kind="audio")
-            loaded = await resource.ensure_audio()
-            if not loaded.tts:
-                raise ApiError("invalid_request", f"The model {resource.name!r} transcribes speech and does not make "
-                               f"it. Models that speak: {', '.join(self.speakers()) or '(none on this server)'}.",
-                               param="model", code="wrong_model_kind")
+            resource, loaded = await self.audio_model(request.model)
             options = speech_options(resource, loaded, request)
             pieces = openai_speech.sentences(request.input)
-            send, receive = trio.open_memory_channel[bytes](math.inf)
-            token = trio.lowlevel.current_trio_token()
 
-            def push(samples: bytes) -> None:
-                try:
-                    send.send_nowait(samples)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    pass  # the request is over
+            async def deliver(samples: np.ndarray) -> None:
+                chunk = samples.astype("<f4").tobytes()
+                await outbox.send(SpeechChunk(request, resource.name, loaded.sample_rate, chunk))
 
-            def on_audio(samples: np.ndarray) -> None:  # on the device thread
-                try:
-                    token.run_sync_soon(push, samples.astype("<f4").tobytes())
-                except trio.RunFinishedError:
-                    pass
-
-            future = loaded.worker.submit(lambda: synthesize(loaded, pieces, options, on_audio))
-            async with trio.open_nursery() as nursery:
-                async def forward() -> None:
-                    async for samples in receive:
-                        await outbox.send(SpeechChunk(request, resource.name, loaded.sample_rate, samples))
-
-                nursery.start_soon(forward)
-                try:
-                    total = await wait_future(future)
-                except trio.Cancelled:
-                    future.cancel()  # the client left: the job ends at its next checkpoint
-                    raise
-                finally:
-                    send.close()  # audio reported before the result came first (run_sync_soon keeps order)
+            total = await run_reporting(loaded.worker, lambda report: synthesize(loaded, pieces, options, report),
+                                        deliver)
             await outbox.send(SpeechDone(request, resource.name, loaded.sample_rate, total, len(request.input)))
-
-    def speakers(self) -> list[str]:
-        return sorted(m.name for m in self.models.all() if m.audio is not None and m.audio.tts)
-
 
 def speech_options(resource: ModelResource, loaded: LoadedAudio, request: SpeechRequest) -> SpeechOptions:
     """The request's options for this model, or a 400 saying what it accepts."""
