@@ -54,7 +54,8 @@ def whisper_tokenizer() -> Tokenizer:
     model = json.loads(trained.to_str())["model"]
     vocab: dict[str, int] = dict(model["vocab"])
     vocab.update({f"\u0120w{i}": i for i in range(len(vocab), WHISPER_TEXT_TOKENS)})
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    pairs = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    merges: list[tuple[str, str]] = [(str(a), str(b)) for a, b in pairs]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
