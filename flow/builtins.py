@@ -23,20 +23,13 @@ from stages.anthropic import (
     AnthropicMessagesDecode,
     AnthropicMessagesFormat,
 )
-from stages.audio import (
-    SpeechDecode,
-    SpeechFormat,
-    Synthesize,
-    Transcribe,
-    TranscriptionsDecode,
-    TranscriptionsFormat,
-    TranslationsDecode,
-    VoicesList,
-)
+from stages.audio import VoicesList
 from stages.chat import ChatPrepare, ChatProcess
 from stages.echo import EchoGenerate
 from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
 from stages.rerank import Rerank, RerankDecode, RerankFormat
+from stages.speech import SpeechDecode, SpeechFormat, Synthesize
+from stages.transcription import Transcribe, TranscriptionsDecode, TranscriptionsFormat, TranslationsDecode
 from stages.generate import Generate
 from stages.models import ModelsList
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat

@@ -55,6 +55,11 @@ class _Job(Generic[T]):
     fn: Callable[[], T]
     future: concurrent.futures.Future[T]
     greenlet: Any = None
+    cancelled: bool = False  # its waiter left: it ends at its next checkpoint
+
+    @property
+    def abandoned(self) -> bool:
+        return self.cancelled or self.future.cancelled()
 
 
 class AudioWorker:
@@ -69,6 +74,7 @@ class AudioWorker:
         self._slice_ends = 0.0
         self._resume_at = 0.0
         self.jobs_done = 0
+        self.jobs_cancelled = 0
         self.device_seconds = 0.0
         self.yields = 0
         device.add_stepper(self)
@@ -84,6 +90,14 @@ class AudioWorker:
     def has_work(self) -> bool:
         return bool(self._jobs)
 
+    def cancel(self, future: concurrent.futures.Future[Any]) -> None:
+        """The waiter of ``future`` left: its job ends at its next checkpoint (or never starts)."""
+        future.cancel()  # a job not started yet
+        with self._lock:
+            for job in self._jobs:
+                if job.future is future:
+                    job.cancelled = True
+
     def checkpoint(self) -> None:
         """Called from the model's passes inside a job: give the device back once the slice is used up."""
         import greenlet
@@ -92,12 +106,12 @@ class AudioWorker:
         job = getattr(current, "flow_job", None)
         if job is None:
             return  # a direct call outside the worker (a test's reference run)
-        if job.future.cancelled():
+        if job.abandoned:
             raise JobCancelled
         if time.perf_counter() >= self._slice_ends:
             self.yields += 1
             current.parent.switch()
-            if job.future.cancelled():
+            if job.abandoned:
                 raise JobCancelled
 
     def step(self) -> None:
@@ -123,7 +137,10 @@ class AudioWorker:
         self.device_seconds += spent
         self._resume_at = time.monotonic() + spent * (1 - self.share) / self.share
         if job.greenlet.dead:
-            self.jobs_done += 1
+            if job.abandoned:
+                self.jobs_cancelled += 1
+            else:
+                self.jobs_done += 1
             self._drop(job)
         else:
             with self._lock:
@@ -139,7 +156,9 @@ class AudioWorker:
     def _run(job: _Job[Any]) -> None:
         try:
             result = job.fn()
-        except JobCancelled:
+        except JobCancelled as cancelled:
+            if not job.future.done():
+                job.future.set_exception(cancelled)
             return
         except BaseException as exc:  # delivered to the waiter; the device thread goes on
             if not job.future.cancelled():
@@ -157,7 +176,7 @@ class AudioWorker:
                 job.future.set_exception(AudioWorkerClosed("the audio model was unloaded"))
 
     def stats_json(self) -> dict[str, Any]:
-        return {"jobs_done": self.jobs_done, "waiting_jobs": len(self._jobs),
+        return {"jobs_done": self.jobs_done, "jobs_cancelled": self.jobs_cancelled, "waiting_jobs": len(self._jobs),
                 "device_seconds": round(self.device_seconds, 3), "yields": self.yields, "share": self.share}
 
 
@@ -198,7 +217,7 @@ async def run_reporting(worker: AudioWorker, job: Callable[[Callable[[P], None]]
         try:
             return await wait_future(future)
         except trio.Cancelled:
-            future.cancel()
+            worker.cancel(future)
             raise
         finally:
             send.close()  # reports made before the result came first: run_sync_soon keeps their order

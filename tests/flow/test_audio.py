@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,20 @@ def test_a_long_transcription_shares_the_device_with_chat_streams(server: Runnin
     job.join(300)
     assert chunks > 0 and finished == ["chat", "transcription"]
     assert worker.worker.yields > yields_before
+
+
+def test_a_client_that_leaves_ends_its_transcription(server: RunningServer) -> None:
+    """A client that leaves a streamed transcription after its first words: the job leaves the device at its
+    next checkpoint instead of decoding the rest of the recording."""
+    worker = next(m for m in server.server.models if m.name == "whisper").audio
+    assert worker is not None
+    cancelled, done = worker.worker.jobs_cancelled, worker.worker.jobs_done
+    audio = encode_as(speech_like(140.0, seed=4), 16000, "mp3")
+    with httpx.stream("POST", f"{server.url}/audio/transcriptions", files={"file": ("long.mp3", audio)},
+                      data={"model": "whisper", "language": "en", "stream": "true"}, timeout=120) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert "transcript.text.delta" in first  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 60
+    while worker.worker.has_work() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (worker.worker.jobs_cancelled, worker.worker.jobs_done) == (cancelled + 1, done)

@@ -1,0 +1,240 @@
+"""Benchmark: the OpenAI audio API — flow against direct mlx-audio calls on the same models and audio.
+
+    python scripts/bench_audio.py [--stt DIR_OR_tiny:PRESET] [--tts DIR_OR_tiny:PRESET] [--chat DIR_OR_tiny:PRESET]
+                                  [--seconds 30] [--long-seconds 120] [--words 500]
+
+A real ``flow serve`` (subprocess; the demo graph with the three models) and, in this process while the server
+idles, the direct mlx-audio calls:
+
+* **transcription real-time factor** (processing seconds per second of audio) of a ``--seconds`` recording:
+  ``POST /v1/audio/transcriptions`` (upload, decoding, Whisper) against ``model.generate`` on the decoded
+  samples — the ratio is direct RTF / server RTF (1.0: the server costs nothing; target ≥ 0.9);
+* **synthesis real-time factor** of a few sentences: ``POST /v1/audio/speech`` (wav) against the model's
+  ``generate`` per sentence;
+* **chat stream throughput** (tokens/s of one greedy stream) while a ``--long-seconds`` transcription runs,
+  against the same stream on the idle server (target ≥ 0.7);
+* **time to first audio byte** of a ``--words``-word speech request against the whole time of a request with
+  only its first sentence (target < 2×).
+
+Speech comes from espeak-ng when it is installed (else a synthetic speech-like signal). Real weights:
+``python ../shared/tools/fetch_real_models.py DIR --models whisper-tiny.en,smollm2-135m-instruct``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.audio_clips import encode_as, espeak, speech_like  # noqa: E402
+from tests.harness import free_port  # noqa: E402
+
+PARAGRAPH = ("The river runs to the sea under a grey sky. A boat waits by the old stone bridge. In the market the "
+             "traders call out their prices, and the smell of bread drifts across the square. Nobody is in a hurry "
+             "today. ")
+REAL = Path(os.environ.get("FLOW_REAL_MODELS", "~/.cache/flow/real-models")).expanduser()
+
+
+def model_path(ref: str) -> Path:
+    if ref.startswith("tiny:"):
+        from runtime.tiny import ensure_tiny_model
+
+        return ensure_tiny_model(ref[5:])
+    return Path(ref).expanduser()
+
+
+def default(real: str, tiny: str) -> str:
+    return str(REAL / real) if (REAL / real / "config.json").is_file() else tiny
+
+
+def recording(seconds: float) -> np.ndarray:
+    """About ``seconds`` of speech at 16 kHz."""
+    spoken = espeak(PARAGRAPH)
+    if spoken is None:
+        return speech_like(seconds)
+    reps = int(np.ceil(seconds * 16000 / len(spoken)))
+    return np.tile(spoken, reps)[: int(seconds * 16000)]
+
+
+def start_server(paths: dict[str, Path], data: Path, speech_tokens: int) -> tuple[subprocess.Popen[bytes], str]:
+    graph = data / "graph.toml"
+    graph.write_text(f'extends = "{ROOT / "graphs" / "demo.toml"}"\n'
+                     f'[resources.model]\npath = "{paths["chat"]}"\nfallbacks = []\n'
+                     f'[resources.transcriber]\npath = "{paths["stt"]}"\nfallbacks = []\n'
+                     f'[resources.speaker]\npath = "{paths["tts"]}"\nspeech_max_tokens = {speech_tokens}\n'
+                     '[resources.prefix_cache]\ndisk = false\n')
+    port = free_port()
+    log = (data / "serve.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--port", str(port)],
+                            env={**os.environ, "FLOW_DATA_DIR": str(data)}, stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise SystemExit(f"flow serve did not start; see {data / 'serve.log'}")
+
+
+def direct_stt(path: Path, samples: np.ndarray) -> float:
+    """Seconds of mlx-audio's Whisper ``generate`` on ``samples`` (loaded as the server loads it), after a
+    warm-up."""
+    import mlx.core as mx
+    from mlx_audio.stt.utils import load_model
+
+    from runtime.audio import TranscribeOptions, to_float32
+
+    model = load_model(str(path))
+    if model.dtype == mx.float16 and not mx.metal.is_available():
+        to_float32(model)
+    options = TranscribeOptions(language="en")
+    model.generate(samples[:16000 * 5], **options.generate_kwargs(model))
+    mx.random.seed(0)
+    started = time.perf_counter()
+    model.generate(samples, **options.generate_kwargs(model))
+    return time.perf_counter() - started
+
+
+def direct_tts(path: Path, pieces: list[str], max_tokens: int) -> tuple[float, int, int]:
+    """(seconds, samples, sample rate) of the model's ``generate`` on each piece, after a warm-up."""
+    import mlx.core as mx
+    from mlx_audio.tts.utils import load_model
+
+    from runtime.audio import SpeechOptions
+
+    model = load_model(path)
+    kwargs = SpeechOptions(max_tokens=max_tokens).generate_kwargs(model)
+    list(model.generate(pieces[0], **kwargs))
+    mx.random.seed(0)
+    started = time.perf_counter()
+    samples = sum(int(r.audio.shape[0]) for piece in pieces for r in model.generate(piece, **kwargs))
+    return time.perf_counter() - started, samples, int(model.sample_rate)
+
+
+def transcribe(base: str, audio: bytes, model: str = "demo-whisper") -> float:
+    started = time.perf_counter()
+    response = httpx.post(base + "/v1/audio/transcriptions", files={"file": ("speech.flac", audio)},
+                          data={"model": model, "language": "en"}, timeout=3600)
+    response.raise_for_status()
+    return time.perf_counter() - started
+
+
+def chat_rate(base: str, tokens: int = 48) -> float:
+    """Tokens/s of one greedy chat stream (first token to last)."""
+    stamps: list[float] = []
+    with httpx.stream("POST", base + "/v1/chat/completions", timeout=600, json={
+            "model": "demo-chat", "stream": True, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a long story about a river."}]}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 2 else 0.0
+
+
+def speech_timing(base: str, text: str) -> tuple[float, float, int]:
+    """(seconds to the first audio byte, seconds to the last, bytes) of a pcm speech request."""
+    started = time.perf_counter()
+    first = 0.0
+    size = 0
+    with httpx.stream("POST", base + "/v1/audio/speech", timeout=3600, json={
+            "model": "demo-tts", "voice": "alloy", "input": text, "response_format": "pcm"}) as response:
+        response.raise_for_status()
+        for chunk in response.iter_raw():
+            if chunk and not first:
+                first = time.perf_counter() - started
+            size += len(chunk)
+    return first, time.perf_counter() - started, size
+
+
+def step(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def words_text(n: int) -> str:
+    words = PARAGRAPH.split()
+    return " ".join(words[i % len(words)] for i in range(n))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stt", default=default("whisper-tiny.en", "tiny:tiny-whisper"))
+    parser.add_argument("--tts", default="tiny:tiny-soprano")
+    parser.add_argument("--chat", default=default("smollm2-135m-instruct", "tiny:tiny-qwen3"))
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--long-seconds", type=float, default=120.0)
+    parser.add_argument("--words", type=int, default=500)
+    parser.add_argument("--speech-tokens", type=int, default=64, help="the speaker's speech_max_tokens")
+    args = parser.parse_args()
+    from protocols.openai_speech import sentences
+
+    paths = {"stt": model_path(args.stt), "tts": model_path(args.tts), "chat": model_path(args.chat)}
+    clip = recording(args.seconds)
+    audio = encode_as(clip, 16000, "flac")
+    long_audio = encode_as(recording(args.long_seconds), 16000, "flac")
+    speech_pieces = sentences(PARAGRAPH)
+    data = Path(tempfile.mkdtemp(prefix="flow-bench-audio-"))
+    proc, base = start_server(paths, data, args.speech_tokens)
+    results: dict[str, Any] = {}
+    try:
+        step("direct transcription")
+        stt_direct = direct_stt(paths["stt"], clip)
+        step(f"direct synthesis (transcription took {stt_direct:.1f} s)")
+        tts_direct, tts_samples, tts_rate = direct_tts(paths["tts"], speech_pieces, args.speech_tokens)
+        step("server transcription")
+        transcribe(base, encode_as(clip[:16000 * 5], 16000, "flac"))  # warm-up
+        stt_server = min(transcribe(base, audio) for _ in range(2))
+        step(f"server synthesis (transcription took {stt_server:.1f} s)")
+        speech_timing(base, speech_pieces[0])  # warm-up
+        tts_server = min(speech_timing(base, PARAGRAPH)[1] for _ in range(2))
+        step("chat alone")
+        alone = [chat_rate(base) for _ in range(3)]
+        step(f"chat during a long transcription (alone: {alone})")
+        during: list[float] = []
+        job = threading.Thread(target=lambda: results.update(long_seconds=transcribe(base, long_audio)))
+        job.start()
+        time.sleep(1.0)  # the upload is decoded and the job is on the device
+        while job.is_alive() and len(during) < 5:
+            during.append(chat_rate(base))
+        job.join()
+        step(f"time to first audio (chat during: {during})")
+        long_text = words_text(args.words)
+        first_sentence = sentences(long_text)[0]
+        _, first_alone, _ = min((speech_timing(base, first_sentence) for _ in range(3)), key=lambda t: t[1])
+        ttfb, whole, _ = speech_timing(base, long_text)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    seconds, tts_seconds = len(clip) / 16000, tts_samples / tts_rate
+    print(f"models: stt {args.stt}, tts {args.tts}, chat {args.chat}")
+    print(f"transcription of {seconds:.0f} s: direct {stt_direct:.2f} s (RTF {stt_direct / seconds:.3f}), "
+          f"server {stt_server:.2f} s (RTF {stt_server / seconds:.3f}) -> direct/server {stt_direct / stt_server:.2f}")
+    print(f"synthesis of {len(speech_pieces)} sentences ({tts_seconds:.1f} s of audio): direct {tts_direct:.2f} s "
+          f"(RTF {tts_direct / tts_seconds:.3f}), server {tts_server:.2f} s (RTF {tts_server / tts_seconds:.3f}) "
+          f"-> direct/server {tts_direct / tts_server:.2f}")
+    print(f"chat stream alone: {statistics.median(alone):.1f} tok/s; during a {args.long_seconds:.0f} s transcription "
+          f"({results.get('long_seconds', 0):.1f} s): {statistics.median(during) if during else 0:.1f} tok/s "
+          f"({len(during)} streams) -> ratio {(statistics.median(during) if during else 0) / statistics.median(alone):.2f}")
+    print(f"speech of {args.words} words: first audio byte after {ttfb:.2f} s (whole {whole:.2f} s); its first "
+          f"sentence alone takes {first_alone:.2f} s -> ratio {ttfb / first_alone:.2f}")
+
+
+if __name__ == "__main__":
+    main()
