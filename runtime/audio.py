@@ -6,8 +6,8 @@ mlx-audio's ``generate`` runs a whole transcription in one call: decoding a long
 minutes, and the device thread must not spend them while chat streams wait. The :class:`AudioWorker` is a
 stepper of the device thread that runs each audio job (a plain call into mlx-audio) as a *greenlet* — a
 coroutine on the device thread's own stack, so MLX's thread-local state is never crossed — and the model's
-encoder and decoder passes are *checkpoints* where the job gives the device back once its slice
-(``slice_seconds``) is used up.
+passes (Whisper's decoder steps and each layer of its encoder, computed as it is called) are *checkpoints*
+where the job gives the device back once its slice (``slice_seconds``) is used up.
 
 Fair sharing: while other steppers (a chat engine, an embedder) have work, audio jobs get at most ``share``
 of the device's time — after a slice of ``d`` seconds the worker waits ``d × (1 - share) / share`` seconds of
@@ -223,14 +223,20 @@ async def run_reporting(worker: AudioWorker, job: Callable[[Callable[[P], None]]
             send.close()  # reports made before the result came first: run_sync_soon keeps their order
 
 
-def _with_checkpoint(module: Any, checkpoint: Callable[[], None]) -> None:
+def _with_checkpoint(module: Any, checkpoint: Callable[[], None], evaluate: bool = False) -> None:
     """Make every call of ``module`` (an mlx ``nn.Module``) pass ``checkpoint`` first: its class is swapped for
-    a subclass of it (this one instance only)."""
+    a subclass of it (this one instance only). ``evaluate``: compute its output at once (MLX is lazy: without
+    it, a chain of such modules is computed in one piece at the end, which no checkpoint can divide)."""
     base = type(module)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         checkpoint()
-        return base.__call__(self, *args, **kwargs)
+        out = base.__call__(self, *args, **kwargs)
+        if evaluate:
+            import mlx.core as mx
+
+            mx.eval(out[0] if isinstance(out, tuple) else out)
+        return out
 
     module.__class__ = type(f"Checkpointed{base.__name__}", (base,), {"__call__": __call__})
 
@@ -302,6 +308,8 @@ def load_audio_model(name: str, path: Path, device: DeviceThread, share: float =
             raise ModelNotAvailable(f"{path} has no Whisper tokenizer mlx-audio can read (tokenizer.json, "
                                     "tokenizer_config.json, preprocessor_config.json).")
         _with_checkpoint(model.encoder, worker.checkpoint)
+        for block in model.encoder.blocks:  # a 30-second window's encoder pass, layer by layer
+            _with_checkpoint(block, worker.checkpoint, evaluate=True)
         _with_checkpoint(model.decoder, worker.checkpoint)
         model.decode = _reporting_decode(model.decode)
         voices: tuple[str, ...] = ()

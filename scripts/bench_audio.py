@@ -1,7 +1,7 @@
 """Benchmark: the OpenAI audio API — flow against direct mlx-audio calls on the same models and audio.
 
     python scripts/bench_audio.py [--stt DIR_OR_tiny:PRESET] [--tts DIR_OR_tiny:PRESET] [--chat DIR_OR_tiny:PRESET]
-                                  [--seconds 30] [--long-seconds 120] [--words 500]
+                                  [--seconds 20] [--long-seconds 60] [--words 500]
 
 A real ``flow serve`` (subprocess; the demo graph with the three models) and, in this process while the server
 idles, the direct mlx-audio calls:
@@ -61,13 +61,22 @@ def default(real: str, tiny: str) -> str:
     return str(REAL / real) if (REAL / real / "config.json").is_file() else tiny
 
 
-def recording(seconds: float) -> np.ndarray:
-    """About ``seconds`` of speech at 16 kHz."""
-    spoken = espeak(PARAGRAPH)
+NOUNS = "river boat bridge market trader bread square window garden winter letter engine harbour station".split()
+VERBS = "watches carries follows paints builds finds opens closes answers remembers".split()
+ADJECTIVES = "old quiet bright small green heavy distant careful early narrow".split()
+
+
+def recording(seconds: float, seed: int = 0) -> np.ndarray:
+    """``seconds`` of speech at 16 kHz: espeak-ng reading sentences that never repeat (repeated text makes
+    Whisper fall back to sampling, which would measure the fallback), else a speech-like signal."""
+    rng = np.random.default_rng(seed)
+    words = int(seconds * 3)  # espeak-ng speaks ~2.5 words a second at its rate
+    text = " ".join(f"The {rng.choice(ADJECTIVES)} {rng.choice(NOUNS)} {rng.choice(VERBS)} the "
+                    f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}." for _ in range(words // 6 + 1))
+    spoken = espeak(text)
     if spoken is None:
         return speech_like(seconds)
-    reps = int(np.ceil(seconds * 16000 / len(spoken)))
-    return np.tile(spoken, reps)[: int(seconds * 16000)]
+    return spoken[: int(seconds * 16000)]
 
 
 def start_server(paths: dict[str, Path], data: Path, speech_tokens: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -94,9 +103,9 @@ def start_server(paths: dict[str, Path], data: Path, speech_tokens: int) -> tupl
     raise SystemExit(f"flow serve did not start; see {data / 'serve.log'}")
 
 
-def direct_stt(path: Path, samples: np.ndarray) -> float:
-    """Seconds of mlx-audio's Whisper ``generate`` on ``samples`` (loaded as the server loads it), after a
-    warm-up."""
+def direct_stt(path: Path, samples: np.ndarray, rounds: int) -> list[float]:
+    """Seconds of mlx-audio's Whisper ``generate`` on ``samples`` (loaded as the server loads it), per round,
+    after a warm-up."""
     import mlx.core as mx
     from mlx_audio.stt.utils import load_model
 
@@ -107,10 +116,13 @@ def direct_stt(path: Path, samples: np.ndarray) -> float:
         to_float32(model)
     options = TranscribeOptions(language="en")
     model.generate(samples[:16000 * 5], **options.generate_kwargs(model))
-    mx.random.seed(0)
-    started = time.perf_counter()
-    model.generate(samples, **options.generate_kwargs(model))
-    return time.perf_counter() - started
+    times = []
+    for _ in range(rounds):
+        mx.random.seed(0)
+        started = time.perf_counter()
+        model.generate(samples, **options.generate_kwargs(model))
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def direct_tts(path: Path, pieces: list[str], max_tokens: int) -> tuple[float, int, int]:
@@ -125,7 +137,7 @@ def direct_tts(path: Path, pieces: list[str], max_tokens: int) -> tuple[float, i
     list(model.generate(pieces[0], **kwargs))
     mx.random.seed(0)
     started = time.perf_counter()
-    samples = sum(int(r.audio.shape[0]) for piece in pieces for r in model.generate(piece, **kwargs))
+    samples = sum(np.array(r.audio).shape[0] for piece in pieces for r in model.generate(piece, **kwargs))
     return time.perf_counter() - started, samples, int(model.sample_rate)
 
 
@@ -178,8 +190,9 @@ def main() -> None:
     parser.add_argument("--stt", default=default("whisper-tiny.en", "tiny:tiny-whisper"))
     parser.add_argument("--tts", default="tiny:tiny-soprano")
     parser.add_argument("--chat", default=default("smollm2-135m-instruct", "tiny:tiny-qwen3"))
-    parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--long-seconds", type=float, default=120.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--long-seconds", type=float, default=60.0)
+    parser.add_argument("--rounds", type=int, default=3, help="transcription rounds, direct and server in turn")
     parser.add_argument("--words", type=int, default=500)
     parser.add_argument("--speech-tokens", type=int, default=64, help="the speaker's speech_max_tokens")
     args = parser.parse_args()
@@ -188,22 +201,26 @@ def main() -> None:
     paths = {"stt": model_path(args.stt), "tts": model_path(args.tts), "chat": model_path(args.chat)}
     clip = recording(args.seconds)
     audio = encode_as(clip, 16000, "flac")
-    long_audio = encode_as(recording(args.long_seconds), 16000, "flac")
+    long_audio = encode_as(recording(args.long_seconds, seed=1), 16000, "flac")
     speech_pieces = sentences(PARAGRAPH)
     data = Path(tempfile.mkdtemp(prefix="flow-bench-audio-"))
     proc, base = start_server(paths, data, args.speech_tokens)
     results: dict[str, Any] = {}
     try:
-        step("direct transcription")
-        stt_direct = direct_stt(paths["stt"], clip)
-        step(f"direct synthesis (transcription took {stt_direct:.1f} s)")
-        tts_direct, tts_samples, tts_rate = direct_tts(paths["tts"], speech_pieces, args.speech_tokens)
-        step("server transcription")
         transcribe(base, encode_as(clip[:16000 * 5], 16000, "flac"))  # warm-up
-        stt_server = min(transcribe(base, audio) for _ in range(2))
-        step(f"server synthesis (transcription took {stt_server:.1f} s)")
-        speech_timing(base, speech_pieces[0])  # warm-up
+        speech_timing(base, speech_pieces[0])
+        direct_rounds: list[float] = []
+        server_rounds: list[float] = []
+        for i in range(args.rounds):  # side by side: the machine's load drifts
+            step(f"transcription round {i + 1}: direct")
+            direct_rounds += direct_stt(paths["stt"], clip, 1)
+            step(f"transcription round {i + 1}: server (direct took {direct_rounds[-1]:.1f} s)")
+            server_rounds.append(transcribe(base, audio))
+        stt_direct, stt_server = statistics.median(direct_rounds), statistics.median(server_rounds)
+        step(f"synthesis (transcription: direct {direct_rounds}, server {server_rounds})")
+        tts_direct, tts_samples, tts_rate = direct_tts(paths["tts"], speech_pieces, args.speech_tokens)
         tts_server = min(speech_timing(base, PARAGRAPH)[1] for _ in range(2))
+        tts_direct = min(tts_direct, direct_tts(paths["tts"], speech_pieces, args.speech_tokens)[0])
         step("chat alone")
         alone = [chat_rate(base) for _ in range(3)]
         step(f"chat during a long transcription (alone: {alone})")
@@ -224,7 +241,7 @@ def main() -> None:
         proc.wait(60)
     seconds, tts_seconds = len(clip) / 16000, tts_samples / tts_rate
     print(f"models: stt {args.stt}, tts {args.tts}, chat {args.chat}")
-    print(f"transcription of {seconds:.0f} s: direct {stt_direct:.2f} s (RTF {stt_direct / seconds:.3f}), "
+    print(f"transcription of {seconds:.0f} s (median of {args.rounds} rounds): direct {stt_direct:.2f} s (RTF {stt_direct / seconds:.3f}), "
           f"server {stt_server:.2f} s (RTF {stt_server / seconds:.3f}) -> direct/server {stt_direct / stt_server:.2f}")
     print(f"synthesis of {len(speech_pieces)} sentences ({tts_seconds:.1f} s of audio): direct {tts_direct:.2f} s "
           f"(RTF {tts_direct / tts_seconds:.3f}), server {tts_server:.2f} s (RTF {tts_server / tts_seconds:.3f}) "
