@@ -83,7 +83,7 @@ class ModelConfig(ResourceConfig):
         default_factory=list, description="embedding models: the Matryoshka sizes the model was trained to be cut "
                                           "to (default: from its config.json, model card or series)")
     audio_share: float = Field(
-        default=0.3, gt=0, le=1, description="audio models: the most of the device's time audio jobs take while "
+        default=0.2, gt=0, le=1, description="audio models: the most of the device's time audio jobs take while "
                                              "other models' requests wait (a long transcription does not freeze "
                                              "chat streams); alone, they take all of it")
     speech_max_tokens: int | None = Field(

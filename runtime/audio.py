@@ -65,7 +65,7 @@ class _Job(Generic[T]):
 class AudioWorker:
     """Runs audio jobs on the device thread in time slices (see the module docstring)."""
 
-    def __init__(self, device: DeviceThread, share: float = 0.3, slice_seconds: float = 0.05) -> None:
+    def __init__(self, device: DeviceThread, share: float = 0.2, slice_seconds: float = 0.05) -> None:
         self.device = device
         self.share = share
         self.slice_seconds = slice_seconds
@@ -271,7 +271,7 @@ class LoadedAudio:
         return [name for name, able in (("stt", self.stt), ("tts", self.tts)) if able]
 
 
-def load_audio_model(name: str, path: Path, device: DeviceThread, share: float = 0.3) -> LoadedAudio:
+def load_audio_model(name: str, path: Path, device: DeviceThread, share: float = 0.2) -> LoadedAudio:
     """Load an mlx-audio model on the device thread (blocking the caller): a Whisper (speech to text) or one of
     mlx-audio's text-to-speech architectures."""
     import json
