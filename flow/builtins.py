@@ -28,6 +28,7 @@ from stages.echo import EchoGenerate
 from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
 from stages.rerank import Rerank, RerankDecode, RerankFormat
 from stages.generate import Generate
+from stages.adapters import AdaptersManage
 from stages.models import ModelsList
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
 from stages.openai_completions import OpenAICompletionsDecode, OpenAICompletionsFormat
@@ -39,7 +40,7 @@ STAGES = (
     OpenAICompletionsDecode, OpenAICompletionsFormat,
     AnthropicMessagesDecode, AnthropicMessagesFormat, AnthropicCountTokensDecode, AnthropicCountTokensFormat,
     AgentsManage, AgentsGenerateDecode, AgentsGenerateFormat,
-    ModelsList,
+    ModelsList, AdaptersManage,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
 )

@@ -15,11 +15,12 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import trio
 from pydantic import Field, field_validator
 
+from flow.adapters import AdapterRegistry
 from flow.capabilities import CapabilityStore, family_from_capabilities
 from flow.families import Family, builtin_families, resolve_family
 from flow.resource import Links, Reference, Resource, ResourceConfig
@@ -44,6 +45,8 @@ class LoadGate(Protocol):
     """What a model asks of the pool that serves it before it loads."""
 
     async def make_room(self, incoming: ModelResource) -> None: ...
+
+    def load_finished(self, model: ModelResource) -> None: ...
 
 
 class ModelConfig(ResourceConfig):
@@ -83,6 +86,30 @@ class ModelConfig(ResourceConfig):
                                           "to (default: from its config.json, model card or series)")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters mounted when the model loads: {id = directory} (mlx-lm or "
+                                          "PEFT layout); clients add more with POST /v1/adapters")
+    adapter_aliases: dict[str, str] = Field(
+        default_factory=dict, description="model ids that mean this model with adapters: {\"my-tune\" = \"id\"} "
+                                          "(or \"a+b\"); a request's own adapter field still wins")
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_ids(cls, value: dict[str, str]) -> dict[str, str]:
+        from protocols.adapter_spec import check_adapter_id
+
+        for adapter_id in value:
+            check_adapter_id(adapter_id)
+        return value
+
+    @field_validator("adapter_aliases")
+    @classmethod
+    def _adapter_specs(cls, value: dict[str, str]) -> dict[str, str]:
+        from protocols.adapter_spec import parse_adapter_spec
+
+        for spec in value.values():
+            parse_adapter_spec(spec)
+        return value
 
     @field_validator("family")
     @classmethod
@@ -114,6 +141,7 @@ class ModelResource(Resource):
         local = Path(os.path.expandvars(config.path)).expanduser()
         if self.kind is None and local.is_dir():
             self.kind = detect_kind_of(local)
+        self.adapters = AdapterRegistry(self.name, config.adapters, config.adapter_aliases)
         self.created = time.time()  # "created" in the model listing: kept across reloads with the resource
         self.last_used = 0.0
         self.loads = 0
@@ -124,7 +152,7 @@ class ModelResource(Resource):
     @property
     def ids(self) -> list[str]:
         """The exact ids that select this model: its name and plain aliases."""
-        return [self.name, *(a for a in self.config.aliases if not is_pattern(a))]
+        return [self.name, *(a for a in self.config.aliases if not is_pattern(a)), *self.config.adapter_aliases]
 
     @property
     def patterns(self) -> list[str]:
@@ -169,6 +197,8 @@ class ModelResource(Resource):
             self._load_error = exc
             raise
         finally:
+            if self.pool is not None:
+                self.pool.load_finished(self)
             self._loading.set()
             self._loading = None
 
@@ -190,6 +220,13 @@ class ModelResource(Resource):
                                      strategy=self.config.strategy, max_queue=self.config.max_queue)
         started = time.perf_counter()
         loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config, self.prefix_cache)
+        try:
+            await self.adapters.mount_all(loaded, self.served_names(path, loaded.config))
+        except ValueError as exc:
+            from runtime.models import unload_model
+
+            await trio.to_thread.run_sync(unload_model, loaded, device)
+            raise ModelNotAvailable(f"{self.name}: {exc}") from None
         # A probed model is served as the probe showed works; others by family detection.
         probed = CapabilityStore().get(path) if self.config.family == "auto" else None
         self.family = (family_from_capabilities(probed, builtin_families()) if probed is not None else
@@ -199,6 +236,12 @@ class ModelResource(Resource):
         self.loads += 1
         log.info("model %s ready (%.1f s, family %s)%s", self.name, time.perf_counter() - started, self.family.name,
                  " — SMOKE-TEST MODEL: random weights, output is gibberish" if loaded.smoke_test else "")
+
+    def served_names(self, path: Path, config: dict[str, Any]) -> list[str]:
+        """The names this model goes by, which an adapter's base-model name is checked against."""
+        names = [self.name, self.source, path.name, *self.config.aliases]
+        named = config.get("_name_or_path")
+        return [n for n in dict.fromkeys([*names, *([named] if isinstance(named, str) else [])]) if n]
 
     def resolve_source(self) -> Path:
         """The model's directory: ``path``, else the first of ``fallbacks`` on this machine (the last may be
@@ -283,6 +326,8 @@ class ModelResource(Resource):
         loaded, self.loaded = self.loaded, None
         if loaded is not None:
             from runtime.models import unload_model
+
+            self.adapters.live = {}  # remembered, mounted again with the next load
 
             await trio.to_thread.run_sync(unload_model, loaded, loaded.engine.device)
             log.info("model %s unloaded (%.0f MiB freed)", self.name, loaded.weight_bytes / 2**20)

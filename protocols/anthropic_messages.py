@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import cache_control_ttl
 from protocols.errors import STATUS, ApiError
 from protocols.output_format import decode_response_format
@@ -159,6 +160,7 @@ class MessagesBody(_Lenient):
     thinking: ThinkingIn | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    adapter: str | None = Field(default=None, max_length=512)  # flow: LoRA adapters (protocols.adapter_spec)
 
     @field_validator("stop_sequences")
     @classmethod
@@ -296,6 +298,7 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         created=created,
         user=user if isinstance(user, str) else None,
         cache=CachePolicy(ttl_seconds=cache_control_ttl(parsed.model_dump(exclude_none=True))),
+        adapter=decode_adapter(parsed.adapter),
     )
 
 

@@ -167,6 +167,7 @@ class ChatRequest:
     created: int = 0
     user: str | None = None
     cache: CachePolicy = CachePolicy()
+    adapter: tuple[str, ...] | None = None  # LoRA adapter ids, stacked in order (None: the model id's default)
     # A context limit below the model's (tokens of prompt + max_tokens; None: the model's own),
     # and what to do when the messages do not fit (None: the ``chat.prepare`` stage's setting).
     max_context: int | None = None

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import STATUS, ApiError
 from protocols.output_format import decode_response_format
@@ -237,6 +238,7 @@ def decode_chat_body(parsed: ChatCompletionBody, request_id: str, created: int) 
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
+        adapter=decode_adapter(parsed.adapter),
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
+from protocols.adapter_spec import decode_adapter
 from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
@@ -88,6 +89,7 @@ def decode_completion_request(body: bytes, request_id: str, created: int) -> Cha
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
+        adapter=decode_adapter(parsed.adapter),
         context=CompletionsContext(echo=parsed.echo),
     )
 

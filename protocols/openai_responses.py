@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import ApiError
 from protocols.ir import (
@@ -277,6 +278,7 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
+        adapter=decode_adapter(parsed.adapter),
         context=ResponsesContext(echo=echo, history_start=start),
     )
 

@@ -94,6 +94,7 @@ best tokens (within ~1 ulp) could still go the other way.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import statistics
@@ -109,6 +110,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, TokenLogprob
+from runtime.adapters import Adapter, AdapterSet
 from runtime.device import DeviceThread
 from runtime.constrained import Constraint
 from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
@@ -154,6 +156,8 @@ class _Sequence:
     stop_ids: frozenset[int]
     sampler: SequenceSampler
     policy: CachePolicy = CachePolicy()
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters applied to its rows (stacked in this order)
+    namespace: bytes = b""  # its prefix-cache namespace: the model's, or the model's with its adapters'
     hit: PrefixHit | None = None  # prefix-cache blocks to build ``cache`` from, until it is built
     keys: BlockKeys | None = None  # its block keys, extended by each store
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
@@ -277,6 +281,7 @@ class Engine:
         self.windows = windows if not isinstance(windows, str) else ()
         self.prefix = prefix if self.prefix_unsupported is None else None
         self.namespace = namespace
+        self.adapters = AdapterSet(model)  # mounted LoRA adapters, applied per row
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -299,7 +304,8 @@ class Engine:
         device.add_stepper(self)
 
     # ------------------------------------------------------------------ trio side
-    async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy()) -> PrefixHit | None:
+    async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy(),
+                           adapters: tuple[Adapter, ...] = ()) -> PrefixHit | None:
         """The prefix cache's longest match for ``prompt`` (None without a cache); pass it to :meth:`submit`.
 
         Runs on a worker thread: a warm match reads its blocks from disk. The thread cannot be abandoned, so
@@ -309,7 +315,7 @@ class Engine:
         if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
             return None
         prefix = self.prefix
-        hit = await trio.to_thread.run_sync(prefix.match, self.namespace, prompt, self.windows,
+        hit = await trio.to_thread.run_sync(prefix.match, self.namespace_for(adapters), prompt, self.windows,
                                             policy.ttl_seconds)
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -320,23 +326,25 @@ class Engine:
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
                prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy(),
-               constraint: Constraint | None = None) -> SequenceHandle:
+               constraint: Constraint | None = None, adapters: tuple[Adapter, ...] = ()) -> SequenceHandle:
         """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
 
         ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
         takes over its references (also when it refuses the sequence).
         ``policy`` says what of the sequence the prefix cache keeps; ``constraint`` (structured output) masks
-        the tokens its grammar does not allow at each step.
+        the tokens its grammar does not allow at each step; ``adapters`` (mounted on this engine, from
+        :meth:`find_adapters`) apply to its rows, and ``prefix`` must come from a match with the same adapters.
         """
         try:
-            return self._submit(prompt, max_tokens, stop_ids, SequenceSampler(sampling, constraint), prefix, policy)
+            return self._submit(prompt, max_tokens, stop_ids, SequenceSampler(sampling, constraint), prefix, policy,
+                                adapters)
         except BaseException:
             if prefix is not None and self.prefix is not None:
                 self.prefix.release(prefix)
             raise
 
     def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], sampler: SequenceSampler,
-                prefix: PrefixHit | None, policy: CachePolicy) -> SequenceHandle:
+                prefix: PrefixHit | None, policy: CachePolicy, adapters: tuple[Adapter, ...]) -> SequenceHandle:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         if max_tokens < 1:
@@ -355,7 +363,8 @@ class Engine:
         handle = SequenceHandle(self, next(self._ids), send, receive)
         seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
                         max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
-                        policy=policy, hit=prefix, prefilled=cached_tokens,
+                        policy=policy, adapters=adapters, namespace=self.namespace_for(adapters),
+                        hit=prefix, prefilled=cached_tokens,
                         keys=prefix.keys if prefix is not None else None)
         handle.cached_tokens = cached_tokens
         if self.prefix is not None:
@@ -367,6 +376,45 @@ class Engine:
             self.stats.cached_tokens += cached_tokens
         self.device.wake()
         return handle
+
+    def namespace_for(self, adapters: tuple[Adapter, ...]) -> bytes:
+        """The prefix-cache namespace of sequences run with ``adapters``: the model's, or one derived from it
+        and the adapters' digests (their weights and config, never their names), in stacking order."""
+        if not adapters:
+            return self.namespace
+        return hashlib.sha256(self.namespace + b"".join(a.digest for a in adapters)).digest()[:16]
+
+    # ------------------------------------------------------------------ adapters (device thread, between steps)
+    def mount_adapter(self, adapter: Adapter) -> None:
+        """Mount an adapter :func:`runtime.adapters.load_adapter` checked (a device-thread job)."""
+        self.adapters.mount(adapter)
+
+    def unmount_adapter(self, adapter: Adapter) -> int:
+        """Unmount an adapter (a device-thread job): at once when no sequence uses it, else once the last
+        one that does has left. Returns how many sequences still use it."""
+        adapter.retiring = True
+        users = self._users_of(adapter)
+        if not users:
+            self.adapters.unmount(adapter)
+        return users
+
+    def _users_of(self, adapter: Adapter) -> int:
+        with self._lock:
+            queued = list(self._inbox)
+        seqs = [*queued, *self._waiting, *(s for r in self._ready for s in r.seqs), *self._batch.seqs]
+        return sum(adapter in s.adapters for s in seqs)
+
+    def _sweep_adapters(self) -> None:
+        for adapter in [a for a in self.adapters.adapters if a.retiring]:
+            if not self._users_of(adapter):
+                self.adapters.unmount(adapter)
+
+    def _forward(self, inputs: mx.array, cache: list[Any], seqs: list[_Sequence]) -> mx.array:
+        """The model on ``inputs`` (one row per sequence), each row with its sequence's adapters."""
+        if self.adapters:
+            self.adapters.route([s.adapters for s in seqs])
+        logits: mx.array = self.model(inputs, cache=cache)
+        return logits
 
     def _cancel(self, seq_id: int) -> None:
         with self._lock:
@@ -477,6 +525,8 @@ class Engine:
             self._rates.append((now, s.generated_tokens, s.prompt_tokens))
         if s.steps % 256 == 0 or not self.has_work():
             mx.clear_cache()
+        if self.adapters:
+            self._sweep_adapters()
         self._deliver(out)
 
     def _update_gauges(self) -> None:
@@ -573,7 +623,7 @@ class Engine:
                     if seq.cache is None:
                         seq.cache = self._new_cache(seq)
                     chunk = mx.array(seq.prompt[seq.prefilled : seq.prefilled + n])
-                    self.model(chunk[None], cache=seq.cache)
+                    self._forward(chunk[None], seq.cache, [seq])
                     mx.eval([c.state for c in seq.cache])
                 except Exception as exc:
                     log.exception("prefill failed; failing its sequence")
@@ -621,7 +671,7 @@ class Engine:
         if any(padding):
             for c in rows.cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        self.model(tokens, cache=rows.cache)
+        self._forward(tokens, rows.cache, group)
         if any(padding):
             for c in rows.cache:
                 c.finalize()  # the padding moves to the left, where the batch expects it
@@ -636,7 +686,7 @@ class Engine:
         wait in ready for the batch."""
         seqs = rows.seqs
         last = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
-        logits = self.model(last[:, None], cache=rows.cache)[:, -1, :]
+        logits = self._forward(last[:, None], rows.cache, seqs)[:, -1, :]
         contexts = [mx.array(s.prompt[-s.sampler.history_window :], dtype=mx.uint32) if s.sampler.processors
                     else None for s in seqs]
         sample = sample_batch(logits, [s.sampler for s in seqs], contexts)
@@ -703,7 +753,7 @@ class Engine:
         batch = self._batch
         inputs = batch.inputs
         assert inputs is not None
-        logits = self.model(inputs[:, None], cache=batch.cache)[:, -1, :]
+        logits = self._forward(inputs[:, None], batch.cache, batch.seqs)[:, -1, :]
         contexts: list[mx.array | None] = []
         for i, seq in enumerate(batch.seqs):
             if not seq.sampler.processors:
@@ -838,9 +888,9 @@ class Engine:
         last = tokens is not None or seq.policy.mode == "prefix"
         ends = tokens is not None or seq.prefilled >= len(seq.prompt) - 1  # the prompt's end, or the finish
         if seq.keys is None:
-            seq.keys = BlockKeys(self.namespace, self.prefix.config.block_tokens)
+            seq.keys = BlockKeys(seq.namespace, self.prefix.config.block_tokens)
         try:
-            self.prefix.store(self.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
+            self.prefix.store(seq.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
                               tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
                               session_id=seq.policy.session_id if last else None, keys=seq.keys)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence

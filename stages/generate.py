@@ -112,13 +112,14 @@ class Generate(Stage[PreparedPrompt, Generation]):
             loaded = resource.require()
             engine = loaded.engine
             constraint = await output_constraint(prompt, loaded, resource.family)
+            adapters = resource.adapters.select(prompt.request.model, prompt.request.adapter)
             tokens = list(prompt.token_ids)
             policy = prompt.request.cache
-            hit = await engine.match_prefix(tokens, policy)
+            hit = await engine.match_prefix(tokens, policy, adapters)
             try:
                 handle = engine.submit(tokens, max_tokens=prompt.max_tokens, stop_ids=prompt.stop_token_ids,
                                        sampling=prompt.request.sampling, prefix=hit, policy=policy,
-                                       constraint=constraint)
+                                       constraint=constraint, adapters=adapters)
             except EngineOverloaded as exc:
                 raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                                f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
