@@ -30,6 +30,14 @@ from stages.rerank import Rerank, RerankDecode, RerankFormat
 from stages.generate import Generate
 from stages.adapters import AdaptersManage
 from stages.models import ModelsList
+from stages.ollama import (
+    OllamaChatDecode,
+    OllamaEmbedDecode,
+    OllamaEmbedFormat,
+    OllamaFormat,
+    OllamaGenerateDecode,
+    OllamaModels,
+)
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
 from stages.openai_completions import OpenAICompletionsDecode, OpenAICompletionsFormat
 from stages.openai_responses import OpenAIResponsesDecode, OpenAIResponsesFormat, OpenAIResponsesRetrieve
@@ -40,6 +48,7 @@ STAGES = (
     OpenAICompletionsDecode, OpenAICompletionsFormat,
     AnthropicMessagesDecode, AnthropicMessagesFormat, AnthropicCountTokensDecode, AnthropicCountTokensFormat,
     AgentsManage, AgentsGenerateDecode, AgentsGenerateFormat,
+    OllamaChatDecode, OllamaGenerateDecode, OllamaFormat, OllamaModels, OllamaEmbedDecode, OllamaEmbedFormat,
     ModelsList, AdaptersManage,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,

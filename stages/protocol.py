@@ -119,7 +119,8 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
         builder.add(header)
         if header.request.stream:
             encoder = self.codec.stream_encoder(header)
-            await outbox.send(WireFrame(b"".join(encoder.start()), headers=SSE_HEADERS, streaming=True))
+            headers = getattr(self.codec, "stream_headers", SSE_HEADERS)  # SSE, or a codec's own (NDJSON)
+            await outbox.send(WireFrame(b"".join(encoder.start()), headers=headers, streaming=True))
             keepalive = self.config.keepalive_seconds  # type: ignore[attr-defined]
             while True:
                 with trio.move_on_after(keepalive) as idle:
