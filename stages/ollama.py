@@ -67,8 +67,9 @@ class OllamaEmbedFormat(JsonFormat[Embeddings]):
 
 
 class OllamaModelsConfig(ModelStageConfig):
-    version: str = Field(default="0.13.0", description="the Ollama version /api/version reports (clients gate "
-                                                       "features on it)")
+    version: str = Field(default="0.13.5", description="the Ollama version /api/version reports: clients gate "
+                                                       "features on it (codex --oss needs 0.13.4 for the Responses "
+                                                       "API, which this server has)")
 
 
 class ShowBody(BaseModel):

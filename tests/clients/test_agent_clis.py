@@ -172,3 +172,30 @@ def test_codex_exec(recorder: RecordingProxy, codex_cli: list[str], tmp_path: Pa
         assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
         assert "response.output_item.done" in kinds
     assert responses[0].json()["tools"], "Codex sent no tools: the test would not cover tool definitions"
+
+
+def test_codex_oss_with_its_ollama_provider(recorder: RecordingProxy, codex_cli: list[str], tmp_path: Path) -> None:
+    """``codex --oss --local-provider ollama``, pointed at the server as at an Ollama: it asks /api/version and
+    /api/tags (the model is there, so no pull), then runs the turn on /v1/responses."""
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(
+        'approval_policy = "never"\nsandbox_mode = "read-only"\nweb_search = "disabled"\n'
+        "check_for_update_on_startup = false\nmodel_context_window = 131072\n\n[analytics]\nenabled = false\n",
+        encoding="utf-8")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = base_env(tmp_path / "home")
+    env.update(CODEX_HOME=str(codex_home), CODEX_OSS_BASE_URL=recorder.base_url + "/v1")
+    command = [*codex_cli, "exec", "--oss", "--local-provider", "ollama", "-m", MODEL, "--skip-git-repo-check",
+               "--sandbox", "read-only", "--ephemeral", "--color", "never", "--json", PROMPT]
+    proc, seconds = run_cli(command, env, workdir, recorder)
+    print(f"codex --oss: {seconds:.1f} s, {len(recorder.exchanges)} requests\n{recorder.report()}")
+    check_run("codex --oss", proc, recorder)
+    paths = [(e.method, e.path) for e in recorder.exchanges]
+    assert ("GET", "/api/version") in paths and ("GET", "/api/tags") in paths, paths
+    assert not any(path == "/api/pull" for _, path in paths), "Codex did not find the model in /api/tags"
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    types = [e.get("type") for e in events]
+    assert "turn.completed" in types and "turn.failed" not in types, types
+    assert any(path == "/v1/responses" for _, path in paths)
