@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols import documents
 from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import STATUS, ApiError
@@ -53,7 +54,18 @@ class ImagePart(_Lenient):
     type: Literal["image_url", "input_image", "image"]
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class FileIn(_Lenient):
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(_Lenient):
+    type: Literal["file"]
+    file: FileIn
+
+
+ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):
@@ -177,7 +189,11 @@ def _content_text(content: str | list[Any] | None, where: str) -> str:
                 "'text' content parts.",
                 param=f"{where}.content[{i}]",
             )
-        texts.append(part.text)
+        elif isinstance(part, FilePart):
+            texts.append(documents.attached_file(part.file.file_data, part.file.filename, f"{where}.content[{i}].file",
+                                                 has_reference=part.file.file_id is not None))
+        else:
+            texts.append(part.text)
     return "".join(texts)
 
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols import documents
 from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import ApiError
@@ -125,14 +126,18 @@ class ResponsesBody(SessionFields):
     user: str | None = None
 
 
-def _parts_text(content: str | list[ContentPart] | None) -> str:
+def _parts_text(content: str | list[ContentPart] | None, where: str = "input") -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
-    for part in content:
+    for i, part in enumerate(content):
+        extra = part.model_extra or {}
         if part.text is not None:
             texts.append(part.text)
-        elif part.type in ("input_image", "input_file", "input_audio"):
+        elif part.type == "input_file":
+            texts.append(documents.attached_file(extra.get("file_data"), extra.get("filename"), f"{where}[{i}]",
+                                                 has_reference=bool(extra.get("file_id") or extra.get("file_url"))))
+        elif part.type in ("input_image", "input_audio"):
             texts.append(MEDIA_MARKER.format(kind=part.type.removeprefix("input_")))
     return "".join(texts)
 
@@ -184,7 +189,7 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
             if item.role is None:
                 raise ApiError("invalid_request", f"'{where}.role' is required for a message item.",
                                param=f"{where}.role")
-            conv.message(item.role, _parts_text(item.content))
+            conv.message(item.role, _parts_text(item.content, f"{where}.content"))
         elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
                 raise ApiError("invalid_request", f"'{where}' needs 'call_id' and 'name'.", param=where)
@@ -194,7 +199,7 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
         elif item.type in ("function_call_output", "custom_tool_call_output"):
             if not item.call_id:
                 raise ApiError("invalid_request", f"'{where}.call_id' is required.", param=f"{where}.call_id")
-            conv.output(item.call_id, _parts_text(item.output))
+            conv.output(item.call_id, _parts_text(item.output, f"{where}.output"))
         elif item.type == "reasoning":
             conv.reasoning(_parts_text(item.content) or _parts_text(item.summary))
         # Other item types (item_reference, web_search_call, …) describe work of built-in

@@ -51,7 +51,7 @@ def server(tiny_llama: Path, adapters: dict[str, Path], tmp_path_factory: pytest
 
 def chat(server: RunningServer, model: str = "tiny-llama", max_tokens: int = 16, messages: Any = None,
          **extra: Any) -> dict[str, Any]:
-    answer = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+    answer = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
         "model": model, "messages": messages or MESSAGES, "max_tokens": max_tokens, "temperature": 0, **extra})
     assert answer.status_code == 200, answer.text
     body: dict[str, Any] = answer.json()
@@ -74,11 +74,11 @@ def reference(server: RunningServer, model_dir: Path, adapter: Path | None, max_
 
 
 def mount(server: RunningServer, adapter_id: str, path: Path, **extra: Any) -> httpx.Response:
-    return httpx.post(server.url + "/v1/adapters", timeout=60, json={"id": adapter_id, "path": str(path), **extra})
+    return httpx.post(server.base_url + "/v1/adapters", timeout=60, json={"id": adapter_id, "path": str(path), **extra})
 
 
 def listed(server: RunningServer) -> dict[str, dict[str, Any]]:
-    body = httpx.get(server.url + "/v1/adapters", timeout=30).json()
+    body = httpx.get(server.base_url + "/v1/adapters", timeout=30).json()
     return {entry["id"]: entry for entry in body["data"]}
 
 
@@ -91,7 +91,7 @@ def test_greedy_output_equals_mlx_lm_with_the_adapter(server: RunningServer, tin
     assert text(chat(server, model="tiny-tuned")) == tuned  # the alias means base + a1
     assert text(chat(server, model="tiny-tuned", adapter="none")) == base  # the request's field wins
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in openai.OpenAI(
-        base_url=server.url + "/v1", api_key="x").chat.completions.create(
+        base_url=server.url, api_key="x").chat.completions.create(
         model="tiny-llama", messages=MESSAGES, max_tokens=16, temperature=0, stream=True,  # type: ignore[arg-type]
         extra_body={"adapter": "a1"}) if chunk.choices)
     assert streamed == tuned
@@ -111,7 +111,7 @@ def test_a_peft_adapter_mounts_and_matches_its_mlx_lm_twin(server: RunningServer
     assert {"a1", "peft"} <= set(shown)
     assert shown["a1"]["source"] == "graph" and shown["peft"]["source"] == "api"
     assert {"id", "path", "rank", "scale", "size_bytes", "mounted_layers"} <= set(shown["peft"])
-    assert httpx.delete(server.url + "/v1/adapters/peft", timeout=30).status_code == 200
+    assert httpx.delete(server.base_url + "/v1/adapters/peft", timeout=30).status_code == 200
 
 
 def test_a_batch_mixing_adapters_gives_each_row_its_own_tokens(server: RunningServer,
@@ -127,7 +127,7 @@ def test_a_batch_mixing_adapters_gives_each_row_its_own_tokens(server: RunningSe
         assert together == alone
         assert server.health()["models"][0]["engine"]["peak_batch"] > 1
     finally:
-        httpx.delete(server.url + "/v1/adapters/peft2", timeout=30)
+        httpx.delete(server.base_url + "/v1/adapters/peft2", timeout=30)
 
 
 def cached(body: dict[str, Any]) -> int:
@@ -147,7 +147,7 @@ def test_the_prefix_cache_never_crosses_adapters_nor_old_weights(server: Running
     assert mount(server, "re", path).status_code == 200
     old = chat(server, messages=messages, adapter="re")
     assert cached(old) == 0 and cached(chat(server, messages=messages, adapter="re")) > 0
-    assert httpx.delete(server.url + "/v1/adapters/re", timeout=30).status_code == 200
+    assert httpx.delete(server.base_url + "/v1/adapters/re", timeout=30).status_code == 200
     shutil.rmtree(path)
     build_tiny_adapter(tiny_llama, path, seed=5)  # the same id and path, new weights
     assert mount(server, "re", path).status_code == 200
@@ -156,7 +156,7 @@ def test_the_prefix_cache_never_crosses_adapters_nor_old_weights(server: Running
         assert cached(new) == 0  # the old weights' KV is never reused
         assert text(new) != text(old)
     finally:
-        httpx.delete(server.url + "/v1/adapters/re", timeout=30)
+        httpx.delete(server.base_url + "/v1/adapters/re", timeout=30)
 
 
 def test_mounting_is_all_or_nothing(server: RunningServer, adapters: dict[str, Path], tmp_path: Path) -> None:
@@ -196,26 +196,26 @@ def test_mounting_is_all_or_nothing(server: RunningServer, adapters: dict[str, P
     assert listed(server) == before  # nothing of the refused ones is mounted
     forced = mount(server, "other", renamed, check_base_model=False)  # the client says it knows better
     assert forced.status_code == 200
-    assert httpx.delete(server.url + "/v1/adapters/other", timeout=30).status_code == 200
+    assert httpx.delete(server.base_url + "/v1/adapters/other", timeout=30).status_code == 200
 
 
 def test_requests_naming_adapters_that_are_not_mounted(server: RunningServer) -> None:
-    answer = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    answer = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 4, "adapter": "nope"})
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "adapter_not_found"
     assert "a1" in answer.json()["error"]["message"]  # names the mounted ones
-    malformed = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    malformed = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 4, "adapter": "a1++a1"})
     assert malformed.status_code == 400 and malformed.json()["error"]["param"] == "adapter"
     with pytest.raises(anthropic.NotFoundError) as raised:
-        anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0).messages.create(
+        anthropic.Anthropic(base_url=server.base_url, api_key="x", max_retries=0).messages.create(
             model="tiny-llama", max_tokens=4, messages=MESSAGES, extra_body={"adapter": "nope"})  # type: ignore[arg-type]
     assert "nope" in str(raised.value)
-    responses = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).responses.create(
+    responses = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0).responses.create(
         model="tiny-llama", input="Hello", max_output_tokens=8, temperature=0, extra_body={"adapter": "a1"})
     assert responses.status == "incomplete" or responses.output_text  # served with the adapter
-    assert httpx.delete(server.url + "/v1/adapters/nope", timeout=30).status_code == 404
-    models = {m["id"]: m for m in httpx.get(server.url + "/v1/models", timeout=30).json()["data"]}
+    assert httpx.delete(server.base_url + "/v1/adapters/nope", timeout=30).status_code == 404
+    models = {m["id"]: m for m in httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"]}
     assert models["tiny-tuned"]["alias_of"] == "tiny-llama" and models["tiny-tuned"]["adapter"] == "a1"
 
 
@@ -227,7 +227,7 @@ def test_an_adapter_in_use_is_unmounted_after_its_requests(server: RunningServer
 
     def stream() -> None:
         parts = []
-        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=120, json={
                 "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 48, "temperature": 0, "stream": True,
                 "adapter": "busy"}) as answer:
             for line in answer.iter_lines():
@@ -240,9 +240,9 @@ def test_an_adapter_in_use_is_unmounted_after_its_requests(server: RunningServer
     worker = threading.Thread(target=stream)
     worker.start()
     assert streaming.wait(60)
-    deleted = httpx.delete(server.url + "/v1/adapters/busy", timeout=30).json()
+    deleted = httpx.delete(server.base_url + "/v1/adapters/busy", timeout=30).json()
     assert deleted["deleted"] is True
-    later = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+    later = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
         "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 4, "adapter": "busy"})
     assert later.status_code == 404  # new requests cannot use it
     worker.join(120)

@@ -35,11 +35,11 @@ def server(tiny_qwen3: Path) -> Iterator[RunningServer]:
 
 
 def client(server: RunningServer) -> ollama.Client:
-    return ollama.Client(host=server.url, timeout=120)
+    return ollama.Client(host=server.base_url, timeout=120)
 
 
 def openai_text(server: RunningServer, max_tokens: int = 16, **extra: Any) -> str:
-    answer = openai.OpenAI(base_url=server.url + "/v1", api_key="x").chat.completions.create(
+    answer = openai.OpenAI(base_url=server.url, api_key="x").chat.completions.create(
         model="tiny", messages=MESSAGES, max_tokens=max_tokens, temperature=0, **extra)  # type: ignore[arg-type]
     return answer.choices[0].message.content or ""
 
@@ -57,7 +57,7 @@ def test_chat_whole_and_streamed_equal_the_openai_answer(server: RunningServer) 
 
 
 def test_the_stream_is_ndjson(server: RunningServer) -> None:
-    with httpx.stream("POST", server.url + "/api/chat", timeout=60, json={
+    with httpx.stream("POST", server.base_url + "/api/chat", timeout=60, json={
             "model": "tiny", "messages": MESSAGES, "options": GREEDY}) as answer:  # stream: Ollama's default
         assert answer.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in answer.iter_lines() if line]
@@ -72,7 +72,7 @@ def test_generate_uses_the_chat_template_unless_raw(server: RunningServer) -> No
     streamed = "".join(p.response for p in client(server).generate(
         model="tiny", prompt=MESSAGES[0]["content"], options=GREEDY, think=False, stream=True))
     assert streamed == expected
-    completion = openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
+    completion = openai.OpenAI(base_url=server.url, api_key="x").completions.create(
         model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
     raw = client(server).generate(model="tiny", prompt="Once upon a time", raw=True,
                                   options={"temperature": 0, "num_predict": 12})
@@ -137,13 +137,13 @@ def test_models_endpoints(server: RunningServer) -> None:
     assert shown.modelinfo and shown.modelinfo["general.architecture"] == "qwen3"
     assert "embedding" in (client(server).show("tiny-embedder").capabilities or [])
     assert {m.model for m in client(server).ps().models} >= {"tiny", "tiny-embedder"}
-    assert httpx.get(server.url + "/api/version", timeout=10).json()["version"]
+    assert httpx.get(server.base_url + "/api/version", timeout=10).json()["version"]
 
 
 def test_embed(server: RunningServer) -> None:
     answer = client(server).embed(model="tiny-embedder", input=["a lighthouse", "a harbour"])
     assert len(answer.embeddings) == 2 and len(answer.embeddings[0]) > 8
-    via_openai = openai.OpenAI(base_url=server.url + "/v1", api_key="x").embeddings.create(
+    via_openai = openai.OpenAI(base_url=server.url, api_key="x").embeddings.create(
         model="tiny-embedder", input=["a lighthouse"], encoding_format="float")
     assert answer.embeddings[0] == pytest.approx(via_openai.data[0].embedding, abs=1e-6)
 
@@ -152,13 +152,13 @@ def test_errors_take_ollamas_shape(server: RunningServer) -> None:
     with pytest.raises(ollama.ResponseError) as missing:
         client(server).chat(model="nope", messages=MESSAGES)
     assert missing.value.status_code == 404 and "nope" in missing.value.error
-    bad = httpx.post(server.url + "/api/chat", timeout=30, json={"model": "tiny", "messages": []})
+    bad = httpx.post(server.base_url + "/api/chat", timeout=30, json={"model": "tiny", "messages": []})
     assert bad.status_code == 400 and set(bad.json()) == {"error"}
-    image = httpx.post(server.url + "/api/chat", timeout=30, json={
+    image = httpx.post(server.base_url + "/api/chat", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": "what is this?", "images": ["aGk="]}]})
     assert image.status_code == 400 and "images" in image.json()["error"]
     with pytest.raises(ollama.ResponseError) as wrong_kind:
         client(server).embed(model="tiny", input="x")
     assert wrong_kind.value.status_code == 400
-    unknown = httpx.post(server.url + "/api/show", timeout=30, json={"model": "nope"})
+    unknown = httpx.post(server.base_url + "/api/show", timeout=30, json={"model": "nope"})
     assert unknown.status_code == 404 and "error" in unknown.json()
