@@ -166,6 +166,8 @@ class _Sequence:
     fresh: bool = False  # in the batch, and its input this step is its first token (already handed out)
     generated: int = 0
     history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
+    # More choices of the same request: they wait with this sequence, and join the batch with copies of its cache.
+    followers: list[_Sequence] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -332,19 +334,29 @@ class Engine:
         ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
         takes over its references (also when it refuses the sequence).
         ``policy`` says what of the sequence the prefix cache keeps; ``constraint`` (structured output) masks
-        the tokens its grammar does not allow at each step; ``adapters`` (mounted on this engine, from
-        :meth:`find_adapters`) apply to its rows, and ``prefix`` must come from a match with the same adapters.
+        the tokens its grammar does not allow at each step; ``adapters`` (mounted on this engine) apply to its
+        rows, and ``prefix`` must come from a match with the same adapters.
         """
+        return self.submit_choices(prompt, [(sampling, constraint)], max_tokens=max_tokens, stop_ids=stop_ids,
+                                   prefix=prefix, policy=policy, adapters=adapters)[0]
+
+    def submit_choices(self, prompt: list[int], choices: list[tuple[SamplingParams, Constraint | None]], *,
+                       max_tokens: int, stop_ids: frozenset[int], prefix: PrefixHit | None = None,
+                       policy: CachePolicy = CachePolicy(), adapters: tuple[Adapter, ...] = ()
+                       ) -> list[SequenceHandle]:
+        """Queue one sequence per choice (its sampling and constraint) for one prompt, prefilled **once**: the
+        choices become rows of the batch from copies of the first one's cache, each sampling its own tokens."""
         try:
-            return self._submit(prompt, max_tokens, stop_ids, SequenceSampler(sampling, constraint), prefix, policy,
-                                adapters)
+            samplers = [SequenceSampler(sampling, constraint) for sampling, constraint in choices]
+            return self._submit(prompt, max_tokens, stop_ids, samplers, prefix, policy, adapters)
         except BaseException:
             if prefix is not None and self.prefix is not None:
                 self.prefix.release(prefix)
             raise
 
-    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], sampler: SequenceSampler,
-                prefix: PrefixHit | None, policy: CachePolicy, adapters: tuple[Adapter, ...]) -> SequenceHandle:
+    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], samplers: list[SequenceSampler],
+                prefix: PrefixHit | None, policy: CachePolicy, adapters: tuple[Adapter, ...]
+                ) -> list[SequenceHandle]:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         if max_tokens < 1:
@@ -359,23 +371,27 @@ class Engine:
             retry = self._retry_after(waiting - self.config.max_queue + 1)
             raise EngineOverloaded(f"{waiting} requests are already waiting for this model "
                                    f"(max_queue {self.config.max_queue})", retry)
-        send, receive = trio.open_memory_channel[TokenChunk](float("inf"))
-        handle = SequenceHandle(self, next(self._ids), send, receive)
-        seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
-                        max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
-                        policy=policy, adapters=adapters, namespace=self.namespace_for(adapters),
-                        hit=prefix, prefilled=cached_tokens,
-                        keys=prefix.keys if prefix is not None else None)
-        handle.cached_tokens = cached_tokens
-        if self.prefix is not None:
-            b = self.prefix.config.block_tokens
-            handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
+        seqs = []
+        for i, sampler in enumerate(samplers):
+            send, receive = trio.open_memory_channel[TokenChunk](float("inf"))
+            handle = SequenceHandle(self, next(self._ids), send, receive)
+            seqs.append(_Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
+                                  max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
+                                  policy=policy, adapters=adapters, namespace=self.namespace_for(adapters),
+                                  hit=prefix if i == 0 else None, prefilled=cached_tokens,
+                                  keys=prefix.keys if prefix is not None and i == 0 else None))
+            handle.cached_tokens = cached_tokens
+            if self.prefix is not None and i == 0:  # the choices after the first share its prefill
+                b = self.prefix.config.block_tokens
+                handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
+        leader = seqs[0]
+        leader.followers = seqs[1:]
         with self._lock:
-            self._inbox.append(seq)
-            self.stats.submitted += 1
+            self._inbox.append(leader)
+            self.stats.submitted += len(seqs)
             self.stats.cached_tokens += cached_tokens
         self.device.wake()
-        return handle
+        return [s.handle for s in seqs]
 
     def namespace_for(self, adapters: tuple[Adapter, ...]) -> bytes:
         """The prefix-cache namespace of sequences run with ``adapters``: the model's, or one derived from it
@@ -553,12 +569,9 @@ class Engine:
                 return
             cancelled, self._cancelled = self._cancelled, set()
             # Within a step, sequences submitted since its start are still in the inbox: they leave from there.
-            dropped = [s for s in self._inbox if s.handle.id in cancelled]
-            if dropped:
-                self._inbox = deque(s for s in self._inbox if s.handle.id not in cancelled)
-        if any(s.handle.id in cancelled for s in self._waiting):
-            dropped += [s for s in self._waiting if s.handle.id in cancelled]
-            self._waiting = deque(s for s in self._waiting if s.handle.id not in cancelled)
+            self._inbox, dropped = _without(self._inbox, cancelled)
+        self._waiting, more = _without(self._waiting, cancelled)
+        dropped += more
         for seq in dropped:
             self._drop_hit(seq)
             seq.cache = None  # its own cache (a prefill in progress) is freed now, not with the step
@@ -614,6 +627,8 @@ class Engine:
                 self.stats.grouped_prefills += 1
                 continue
             seq = self._waiting[0]
+            if seq.followers and self._room() < 1 + len(seq.followers) and (self._batch.seqs or self._ready):
+                break  # its choices start together, when the batch has a row for each
             remaining = len(seq.prompt) - 1 - seq.prefilled
             if remaining > 0:
                 if budget <= 0:
@@ -637,13 +652,16 @@ class Engine:
                 self._keep_prefix(seq, _own_slicer(seq.cache))
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._waiting.popleft()
+            choices, seq.followers = [seq, *seq.followers], []
             try:
                 if seq.cache is None:
                     seq.cache = self._new_cache(seq)  # nothing (more) to prefill
-                self._start(_Rows.merge([seq]), out)
+                for follower in choices[1:]:
+                    follower.cache, follower.prefilled = seq.cache, seq.prefilled  # merged into copies below
+                self._start(_Rows.merge(choices), out)
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
-                self._fail([seq], exc, out)
+                self._fail(choices, exc, out)
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _group(self, budget: int) -> list[_Sequence]:
@@ -653,7 +671,7 @@ class Engine:
         room = self._room()
         for seq in self._waiting:
             n = len(seq.prompt) - 1
-            if seq.cache is not None or seq.hit is not None or n < 1 or len(group) >= room:
+            if seq.cache is not None or seq.hit is not None or seq.followers or n < 1 or len(group) >= room:
                 break
             if max(longest, n) * (len(group) + 1) > budget:
                 break
@@ -859,6 +877,7 @@ class Engine:
 
     def _fail(self, seqs: list[_Sequence], exc: BaseException,
               out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        seqs = [*seqs, *(f for s in seqs for f in s.followers)]  # a queued sequence's choices fail with it
         self.stats.failed += len(seqs)
         for seq in seqs:
             seq.handle.error = exc
@@ -907,6 +926,30 @@ class Engine:
                 token.run_sync_soon(_send_all, items)
             except trio.RunFinishedError:
                 pass  # the server's trio run is gone; nobody is listening
+
+
+def _without(queue: deque[_Sequence], cancelled: set[int]) -> tuple[deque[_Sequence], list[_Sequence]]:
+    """A queue of waiting sequences without the cancelled ones (and the list of those). A cancelled sequence
+    whose choices live on hands its place — cache, prefix hit, prefill progress — to the first of them."""
+    if not any(s.handle.id in cancelled or any(f.handle.id in cancelled for f in s.followers) for s in queue):
+        return queue, []
+    kept: deque[_Sequence] = deque()
+    dropped: list[_Sequence] = []
+    for seq in queue:
+        alive = [f for f in seq.followers if f.handle.id not in cancelled]
+        dropped += [f for f in seq.followers if f.handle.id in cancelled]
+        seq.followers = alive
+        if seq.handle.id not in cancelled:
+            kept.append(seq)
+            continue
+        dropped.append(seq)
+        if alive:
+            heir = alive[0]
+            heir.cache, heir.hit, heir.prefilled, heir.keys = seq.cache, seq.hit, seq.prefilled, seq.keys
+            heir.followers = alive[1:]
+            seq.cache, seq.hit, seq.followers = None, None, []
+            kept.append(heir)
+    return kept, dropped
 
 
 def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:

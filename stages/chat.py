@@ -22,6 +22,7 @@ from protocols.ir import (
     GenerationStarted,
     Message,
     PreparedPrompt,
+    ReasoningDelta,
     ResponseFinished,
     ResponseStarted,
     StreamEvent,
@@ -276,43 +277,72 @@ class ChatProcess(Stage[Generation, StreamEvent]):
         request = prompt.request
         resource = self.models.lookup(prompt.model)
         tokenizer = resource.require().tokenizer
-        detokenizer = tokenizer.detokenizer
-        stops = StopMatcher(request.stop)
-        parser = response_parser(request, resource.family, prompt.text)
-        calls = 0
+        choices = [_ChoiceStream(header, tokenizer, response_parser(request, resource.family, prompt.text), i)
+                   for i in range(request.n)]
         await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text,
                                           header.cache_write_tokens))
-        completion_tokens = 0
+        running = request.n
         async for chunk in inbox:
             assert isinstance(chunk, TokenChunk)
-            completion_tokens += len(chunk.token_ids)
-            for token in chunk.token_ids:
-                detokenizer.add_token(token)
-            if chunk.finish_reason is not None:
-                detokenizer.finalize()
-            text = stops.feed(detokenizer.last_segment)
-            finish = chunk.finish_reason
-            if stops.matched is not None:
-                finish = "stop"
-            elif finish is not None:
-                text += stops.flush()
-            logprobs = tuple(_token_strings(tokenizer, lp) for lp in chunk.logprobs)
-            if parser is None:
-                events: list[StreamEvent] = [TextDelta(text, logprobs)] if text or logprobs else []
-            else:
-                events = [*parser.feed(text), *(parser.finish() if finish is not None else [])]
-                if logprobs:
-                    events.append(TextDelta("", logprobs))
-            for event in events:
-                if isinstance(event, ToolCallDelta):
-                    if event.index > 0 and not request.parallel_tool_calls:
-                        continue  # the client asked for one call at a time
-                    calls = max(calls, event.index + 1)
+            choice = choices[chunk.choice]
+            for event in choice.feed(chunk):
                 await outbox.send(event)
-            if finish is not None:
-                if calls and finish == "stop":
-                    finish = "tool_calls"
-                usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens, header.cache_write_tokens)
-                await outbox.send(ResponseFinished(finish, usage, stop_sequence=stops.matched))
-                return  # closing our inbox tells generate to drop the sequence
+            if choice.done:
+                running -= 1
+                if not running:
+                    return  # closing our inbox tells generate to drop the sequences
         raise ApiError("internal", "generation ended without a finish reason")
+
+
+class _ChoiceStream:
+    """One choice's output: detokenized (multi-byte safe), stop strings matched with hold-back, parsed into
+    content, reasoning and tool calls, finished with its usage."""
+
+    def __init__(self, header: GenerationStarted, tokenizer: Any, parser: StreamParser | None, choice: int) -> None:
+        self.header = header
+        self.request = header.prompt.request
+        self.tokenizer = tokenizer
+        self.detokenizer = tokenizer.detokenizer
+        self.stops = StopMatcher(self.request.stop)
+        self.parser = parser
+        self.choice = choice
+        self.calls = 0
+        self.completion_tokens = 0
+        self.done = False
+
+    def feed(self, chunk: TokenChunk) -> list[StreamEvent]:
+        request, stops, detokenizer = self.request, self.stops, self.detokenizer
+        self.completion_tokens += len(chunk.token_ids)
+        for token in chunk.token_ids:
+            detokenizer.add_token(token)
+        if chunk.finish_reason is not None:
+            detokenizer.finalize()
+        text = stops.feed(detokenizer.last_segment)
+        finish = chunk.finish_reason
+        if stops.matched is not None:
+            finish = "stop"
+        elif finish is not None:
+            text += stops.flush()
+        logprobs = tuple(_token_strings(self.tokenizer, lp) for lp in chunk.logprobs)
+        if self.parser is None:
+            events: list[TextDelta | ReasoningDelta | ToolCallDelta] = (
+                [TextDelta(text, logprobs)] if text or logprobs else [])
+        else:
+            events = [*self.parser.feed(text), *(self.parser.finish() if finish is not None else [])]
+            if logprobs:
+                events.append(TextDelta("", logprobs))
+        out: list[StreamEvent] = []
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                if event.index > 0 and not request.parallel_tool_calls:
+                    continue  # the client asked for one call at a time
+                self.calls = max(self.calls, event.index + 1)
+            out.append(replace(event, choice=self.choice) if self.choice else event)
+        if finish is not None:
+            if self.calls and finish == "stop":
+                finish = "tool_calls"
+            h = self.header
+            usage = Usage(h.prompt_tokens, self.completion_tokens, h.cached_tokens, h.cache_write_tokens)
+            out.append(ResponseFinished(finish, usage, stop_sequence=stops.matched, choice=self.choice))
+            self.done = True
+        return out

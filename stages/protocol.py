@@ -132,7 +132,7 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
                     await outbox.send(WireFrame(b"".join(encoder.keepalive())))
                     continue
                 builder.add(event)
-                if isinstance(event, ResponseFinished):
+                if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
                     result = builder.result()
                     await self.finished(result, self.codec.encode_final(result))
                 frames = encoder.encode(event)
