@@ -21,12 +21,13 @@ import uuid
 from typing import Any
 
 import trio
-from quart import Response, has_request_context, request
+from quart import Response, has_request_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from flow.live import NoRoute
 from flow.server import FlowServer
+from flow.websocket import WS_METHOD, ResponsesSocket
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest
 from protocols.sse import dumps
@@ -125,6 +126,27 @@ def create_app(server: FlowServer) -> QuartTrio:
 
     app.add_url_rule("/<path:path>", endpoint="graph", view_func=dispatch, methods=METHODS,
                      provide_automatic_options=False)
+
+    @app.websocket("/<path:path>")
+    async def socket(path: str = "") -> Response | None:
+        """A graph route ``WEBSOCKET /path`` (the Responses API's WebSocket mode). Anything else is refused
+        before the upgrade, in the path's protocol shape: clients fall back to HTTP at once."""
+        headers = {name.lower(): value for name, value in websocket.headers.items()}
+        try:
+            server.guard.check("GET", websocket.path, headers)
+            server.live.gen.match(WS_METHOD, websocket.path)
+        except ApiError as error:
+            return server.error_response(websocket.path, error)
+        except NoRoute:
+            paths = sorted(r.path for r in server.live.gen.graph.routes if r.method == WS_METHOD)
+            return server.error_response(websocket.path, ApiError(
+                "not_found", f"No WebSocket route at {websocket.path}; use HTTP there. WebSocket routes: "
+                f"{', '.join(paths) or '(none)'}."))
+        await websocket.accept()
+        session = ResponsesSocket(server, websocket.path, websocket.query_string.decode("latin-1"),
+                                  list(websocket.headers.items()), websocket.send)
+        await session.serve(websocket.receive)
+        return None
 
     @app.route("/", methods=["GET", "HEAD"])
     async def root() -> Response:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.clients.conftest import MODEL, RecordingProxy, base_env
+from tests.harness import RunningServer
 
 pytestmark = pytest.mark.agents
 
@@ -199,3 +200,36 @@ def test_codex_oss_with_its_ollama_provider(recorder: RecordingProxy, codex_cli:
     types = [e.get("type") for e in events]
     assert "turn.completed" in types and "turn.failed" not in types, types
     assert any(path == "/v1/responses" for _, path in paths)
+
+
+def test_codex_over_the_responses_websocket(agent_server: RunningServer, codex_cli: list[str], tmp_path: Path) -> None:
+    """Codex with a provider that offers WebSockets runs its turn over the Responses WebSocket mode (straight to
+    the server: the recording proxy speaks HTTP only); the server's request counter shows the route it took."""
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    config = codex_config(agent_server.base_url).replace('wire_api = "responses"\n',
+                                                         'wire_api = "responses"\nsupports_websockets = true\n')
+    (codex_home / "config.toml").write_text(config, encoding="utf-8")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = base_env(tmp_path / "home")
+    env.update(CODEX_HOME=str(codex_home), FLOW_API_KEY="flow-test-key")
+    before = websocket_requests(agent_server)
+    command = [*codex_cli, "exec", "--skip-git-repo-check", "--sandbox", "read-only", "--ephemeral",
+               "--color", "never", "--json", PROMPT]
+    proc = subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"codex exited with {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    types = [e.get("type") for e in events]
+    assert "turn.completed" in types and "turn.failed" not in types, types
+    assert websocket_requests(agent_server) > before, "Codex did not use the WebSocket route"
+
+
+def websocket_requests(server: RunningServer) -> float:
+    """Responses answered over the WebSocket route so far (from /metrics)."""
+    import httpx
+
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("flow_requests_total{") and 'route="WEBSOCKET /v1/responses"' in line)
