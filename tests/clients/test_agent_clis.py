@@ -110,6 +110,23 @@ def test_claude_code_print(recorder: RecordingProxy, claude_cli: list[str], tmp_
     assert first["tools"], "Claude Code sent no tools: the test would not cover tool definitions"
 
 
+def test_claude_code_started_plainly(recorder: RecordingProxy, claude_cli: list[str], tmp_path: Path) -> None:
+    """The README's recipe: only ANTHROPIC_BASE_URL and a token, no model settings; Claude Code asks for its own
+    model names (a main model and a small one for side tasks), which the graph's ``claude-*`` alias answers."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {k: v for k, v in claude_env(recorder.base_url, tmp_path).items()
+           if not k.startswith(("ANTHROPIC_MODEL", "ANTHROPIC_SMALL", "ANTHROPIC_DEFAULT", "CLAUDE_CODE_SUBAGENT"))}
+    command = [*claude_cli, "-p", PROMPT, "--output-format", "json", "--no-session-persistence"]
+    proc, seconds = run_cli(command, env, workdir, recorder)
+    print(f"claude -p (plain): {seconds:.1f} s\n{recorder.report()}")
+    check_run("claude", proc, recorder)
+    assert json.loads(proc.stdout)["is_error"] is False
+    models = {e.json()["model"] for e in recorder.exchanges if e.method == "POST" and "/v1/messages" in e.path
+              and "count_tokens" not in e.path}
+    assert models and all(m.startswith("claude-") for m in models), models
+
+
 # ------------------------------------------------------------------------------------------- Codex
 
 def codex_config(base_url: str) -> str:
