@@ -83,9 +83,20 @@ class SequenceSampler:
             filtered = apply_min_p(filtered, p.min_p)
         if p.top_k > 0:
             filtered = apply_top_k(filtered, p.top_k)
+        return mx.random.categorical(filtered * (1.0 / p.temperature), key=self.next_key())
+
+    def next_key(self) -> mx.array:
+        """A fresh key from this sequence's stream (its seed, split once per draw)."""
+        assert self._key is not None, "greedy sequences draw nothing"
         keys = mx.random.split(self._key)
         self._key = keys[0]
-        return mx.random.categorical(filtered * (1.0 / p.temperature), key=keys[1])
+        return keys[1]
+
+    @property
+    def plain(self) -> bool:
+        """Sampled from the model's distribution alone: no penalties or bias, no grammar, no logprobs asked
+        (what speculative decoding verifies exactly)."""
+        return not self.processors and self.constraint is None and self.top_logprobs is None
 
 
 @dataclass(frozen=True)
