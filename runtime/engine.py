@@ -115,7 +115,8 @@ from runtime.device import DeviceThread
 from runtime.constrained import Constraint
 from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
-from runtime.speculative import DraftState, greedy_accepts, sampled_verify
+from runtime.pass_cost import PassCost
+from runtime.speculative import DraftState, greedy_accepts, sampled_verify, worth_verifying
 from runtime.engine_config import EngineConfig, EngineOverloaded
 
 log = logging.getLogger("flow.engine")
@@ -304,6 +305,8 @@ class Engine:
         # like mlx_lm.generate_step). On the CPU it computes most of the step before returning,
         # so read and hand out step n first, then launch n+1.
         self._launch_first = mx.default_device().type != mx.DeviceType.cpu
+        # Decode forward passes' seconds by the tokens they hold: whether verifying drafts pays (CPU).
+        self._step_cost = PassCost(weight=0.05)
         # Recent history for rates, TTFT and retry-after estimates (device thread writes).
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=64)
         self._ttfts: deque[float] = deque(maxlen=64)
@@ -889,12 +892,14 @@ class Engine:
             state.extend([value])  # the input: its KV is kept whatever the verification says
             room = seq.max_tokens - seq.generated - (0 if seq.fresh else 1)
             drafts.append(state.propose(max(0, room)))
-        if not any(drafts):
+        width = worth_verifying(drafts, [s.draft for s in batch.seqs if s.draft is not None],
+                                None if self._launch_first else self._step_cost)
+        if width == 0:
             for seq in batch.seqs:  # this step decodes as usual: its inputs join the histories then
                 assert seq.draft is not None
                 seq.draft.count -= 1
             return None
-        return values, drafts
+        return values, [d[:width] for d in drafts]
 
     def _decode_speculative(self, out: list[tuple[_Sequence, TokenChunk | None]], values: list[int],
                             drafts: list[list[int]], start: float) -> None:
@@ -907,6 +912,9 @@ class Engine:
         width = max(len(d) for d in drafts)
         window = mx.array([[v, *d, *([v] * (width - len(d)))] for v, d in zip(values, drafts)], dtype=mx.uint32)
         logits = self._forward(window, batch.cache, batch.seqs)
+        launched = time.perf_counter()
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]  # timed as a plain step's launch is, for the cost fit
+        self._step_cost.add(len(values) * (width + 1), time.perf_counter() - launched)
         greedy = [s.sampler.greedy for s in batch.seqs]
         targets: list[list[int]] = mx.argmax(logits, axis=-1).tolist() if any(greedy) else []  # type: ignore[assignment]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if not all(greedy) else logits
@@ -978,7 +986,9 @@ class Engine:
         if launch:
             start = time.perf_counter()
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
-            self.stats.decode_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats.decode_seconds += seconds
+            self._step_cost.add(int(launch[0].shape[0]), seconds)
 
     @staticmethod
     def _read_report(batch: _DecodeBatch, values: list[int]) -> dict[_Sequence, TokenLogprob]:

@@ -7,10 +7,12 @@ length to how much of its drafts the model accepts, down to none (a cool-down af
 without repetition costs nothing.
 
 **Verification** keeps the output exactly the model's: a greedy row accepts the draft tokens the model's argmax
-agrees with, then takes the model's own next token; a sampled row accepts draft token ``d`` with probability
-``p(d)`` under its processed distribution (temperature, top-p, min-p, top-k) and, at the first rejection,
-samples from ``p`` without ``d`` — standard speculative rejection sampling for a deterministic draft, whose
-tokens follow the target distribution (tests/runtime/test_speculative.py measures it).
+agrees with, then takes the model's own next token; a sampled row accepts the draft tokens that equal the tokens
+it draws at their positions (:func:`sampled_verify`): draft token ``d`` is accepted with probability ``p(d)``
+under its processed distribution (temperature, top-p, min-p, top-k) and a rejected one is replaced by a draw
+from ``p`` without ``d`` — speculative rejection sampling for a one-token-per-position draft, whose tokens follow
+the target distribution (tests/runtime/test_speculative.py measures it), and with the same seed the same tokens
+as without speculation.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from runtime.engine_config import SpeculativeConfig
+from runtime.pass_cost import PassCost
 from runtime.sampling import SequenceSampler
 
 COOL_DOWN_STEPS = 8  # steps without drafting after MISSES_BEFORE_COOL_DOWN drafts in a row found nothing accepted
 MISSES_BEFORE_COOL_DOWN = 3
+MARGIN = 1.05  # a wider window must promise this much more throughput: the fit is an estimate
 
 
 @dataclass
@@ -92,6 +95,32 @@ class DraftState:
                 self.cool_down, self.misses = COOL_DOWN_STEPS, 0
 
 
+    @property
+    def acceptance(self) -> float:
+        """The share of its drafted tokens the model accepted (a prior of one in two before any)."""
+        return (self.accepted + 1) / (self.proposed + 2)
+
+
+def worth_verifying(drafts: list[list[int]], states: list[DraftState], cost: PassCost | None) -> int:
+    """How many draft tokens per row this step should verify (0: decode as usual). Each row's window is
+    padded to the widest draft, so the width is chosen for the batch: the one with the most expected tokens
+    per second, from each row's acceptance so far and the measured cost of a pass by the tokens it holds —
+    on a CPU a pass costs about its tokens, so a wide window for one drafting row among several rarely pays.
+    Without a cost (a GPU, where passes this small cost the same) or before enough passes, the widest."""
+    widest = max((len(d) for d in drafts), default=0)
+    if widest == 0 or cost is None or cost.passes < 3:
+        return widest
+    overhead, per_token = cost.fit()
+    rows = len(drafts)
+    best_width, best = 0, rows / (overhead + per_token * rows)
+    for width in range(1, widest + 1):
+        expected = sum(1 + s.acceptance * min(len(d), width) for d, s in zip(drafts, states))
+        rate = expected / (overhead + per_token * rows * (1 + width))
+        if rate > best * MARGIN:
+            best_width, best = width, rate
+    return best_width
+
+
 def greedy_accepts(targets: list[int], draft: list[int]) -> int:
     """How many leading draft tokens equal the model's argmax at their positions."""
     accepted = 0
@@ -102,36 +131,16 @@ def greedy_accepts(targets: list[int], draft: list[int]) -> int:
     return accepted
 
 
-def _filtered(sampler: SequenceSampler, logprobs: mx.array) -> mx.array:
-    """Log-probabilities after the sampler's filters, scaled by its temperature: what it samples from."""
-    p = sampler.params
-    out = logprobs
-    if 0.0 < p.top_p < 1.0:
-        out = apply_top_p(out, p.top_p)
-    if p.min_p > 0.0:
-        out = apply_min_p(out, p.min_p)
-    if p.top_k > 0:
-        out = apply_top_k(out, p.top_k)
-    return out * (1.0 / p.temperature)
-
-
 def sampled_verify(sampler: SequenceSampler, logprobs: mx.array, draft: list[int]) -> tuple[int, int]:
-    """Rejection-sample a deterministic draft against a sampled row: ``logprobs`` is ``[len(draft) + 1, vocab]``
-    (the row's window). Returns (tokens accepted, the next token: the correction at the first rejection, or
-    the bonus after a fully accepted draft)."""
-    scaled = _filtered(sampler, logprobs)
-    normalized = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-    k = len(draft)
-    if k:
-        chosen = mx.take_along_axis(normalized[:k], mx.array(draft, dtype=mx.int32)[:, None], axis=-1)[:, 0]
-        uniforms = mx.random.uniform(shape=(k,), key=sampler.next_key())
-        accept = np.asarray(mx.log(uniforms) < chosen)  # u < p(d), in log space
-        rejected = np.flatnonzero(~accept)
-        accepted = int(rejected[0]) if rejected.size else k
-    else:
-        accepted = 0
-    row = normalized[accepted]
-    if accepted < k:  # the residual max(0, p - q) with q the draft's point mass: p without the draft token
-        row = mx.where(mx.arange(row.shape[-1]) == draft[accepted], mx.array(-mx.inf, dtype=row.dtype), row)
-    token = int(np.asarray(mx.random.categorical(row, key=sampler.next_key())))
-    return accepted, token
+    """Verify a deterministic draft for a sampled row: ``logprobs`` is ``[len(draft) + 1, vocab]`` (the row's
+    window). The tokens the row would draw at these positions are drawn (with the noise of their positions, as
+    a plain step draws them); the draft tokens that equal them are accepted, and the first that does not is
+    replaced by the drawn one. Returns (tokens accepted, the next token); advances the sampler past both.
+
+    For a draft that is one token per position (not a distribution), this is rejection sampling: draft token
+    ``d`` is accepted with probability ``p(d)``, and on rejection the token comes from ``p`` without ``d`` —
+    and the output is token for token what the same seed gives without speculation."""
+    drawn: list[int] = sampler.draws(sampler.scaled(logprobs)).tolist()  # type: ignore[assignment]
+    accepted = greedy_accepts(drawn, draft)
+    sampler.drawn += accepted + 1
+    return accepted, drawn[accepted]

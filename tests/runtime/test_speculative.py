@@ -74,17 +74,14 @@ async def together(engine: Engine, prompts: list[list[int]], **kwargs: Any) -> l
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-async def test_greedy_output_is_identical_alone_and_in_a_ragged_batch(device: DeviceThread, preset: str) -> None:
+async def test_greedy_output_is_identical_with_lookup_drafts(device: DeviceThread, preset: str) -> None:
+    """With the n-gram drafter's own proposals (verified or not, as the measured cost decides)."""
     off, on = pair(device, preset)
     try:
         prompts = [REPEATING, PLAIN, REPEATING[::-1] + REPEATING[:30]]
         for prompt in prompts:
             assert (await tokens(on.engine, prompt))[0] == (await tokens(off.engine, prompt))[0]
-        before = on.engine.stats.speculative_steps
         assert await together(on.engine, prompts) == await together(off.engine, prompts)
-        stats = on.engine.stats
-        assert stats.speculative_steps > before  # the batch verified drafts
-        assert 0 < stats.accepted_tokens < stats.draft_tokens  # some accepted, some rejected: ragged rows
     finally:
         off.engine.close()
         on.engine.close()
@@ -147,14 +144,17 @@ async def test_sliding_window_models_decode_without_drafts(device: DeviceThread)
         on.engine.close()
 
 
-async def test_cancelling_a_speculating_row_frees_its_kv(device: DeviceThread) -> None:
-    _, on = pair(device, "tiny-llama")
+async def test_cancelling_a_speculating_row_frees_its_kv(device: DeviceThread,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    off, on = pair(device, "tiny-llama")
     try:
+        future, _ = await tokens(off.engine, REPEATING, max_tokens=60)
+        monkeypatch.setattr(DraftState, "propose", oracle({len(REPEATING): future}))
         handle = on.engine.submit(REPEATING, max_tokens=10_000, stop_ids=frozenset(), sampling=GREEDY)
         seen = 0
         async for chunk in handle.chunks:
             seen += len(chunk.token_ids)
-            if seen > 30:
+            if seen > 20:
                 break
         handle.cancel()
         handle.chunks.close()
@@ -163,18 +163,20 @@ async def test_cancelling_a_speculating_row_frees_its_kv(device: DeviceThread) -
                 await trio.sleep(0.01)
         assert on.engine.stats.kv_bytes == 0 and on.engine.stats.speculative_steps > 0
     finally:
+        off.engine.close()
         on.engine.close()
 
 
-async def test_sampled_rows_speculate(device: DeviceThread, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_sampled_rows_give_what_the_seed_gives_without_speculation(device: DeviceThread,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     off, on = pair(device, "tiny-llama")
     try:
+        sampled = SamplingParams(temperature=0.02, seed=4)  # sharp: the greedy future is often what it draws
+        plain, _ = await tokens(off.engine, REPEATING, sampling=sampled)
         greedy_future, _ = await tokens(off.engine, REPEATING, max_tokens=40)
         monkeypatch.setattr(DraftState, "propose", oracle({len(REPEATING): greedy_future}))
-        sampled = SamplingParams(temperature=0.02, seed=4)  # sharp: it mostly samples the greedy tokens
-        first = (await tokens(on.engine, REPEATING, sampling=sampled))[0]
-        assert first == (await tokens(on.engine, REPEATING, sampling=sampled))[0]  # seeded: repeatable
-        assert len(first) == 40 and on.engine.stats.accepted_tokens > 0  # drafts close to what it samples
+        assert (await tokens(on.engine, REPEATING, sampling=sampled))[0] == plain  # token for token
+        assert on.engine.stats.draft_tokens > 0
     finally:
         off.engine.close()
         on.engine.close()
