@@ -266,6 +266,12 @@ def _tool_choice(choice: ToolChoiceIn | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+def _effort(output_config: dict[str, Any] | None) -> str | None:
+    """``output_config.effort`` (low / medium / high), Anthropic's grading of how hard the model thinks."""
+    effort = (output_config or {}).get("effort")
+    return effort if isinstance(effort, str) else None
+
+
 def decode_messages_request(body: bytes, request_id: str, created: int, *, count_only: bool = False) -> ChatRequest:
     """Validate an Anthropic Messages body (or a count_tokens body) and map it to the IR."""
     parsed = parse_json_body(CountTokensBody if count_only else MessagesBody, body)
@@ -292,6 +298,7 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         parallel_tool_calls=not (parsed.tool_choice and parsed.tool_choice.disable_parallel_tool_use),
         response_format=decode_response_format((parsed.output_config or {}).get("format"), "output_config.format"),
         thinking=thinking,
+        reasoning_effort=_effort(parsed.output_config),
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,

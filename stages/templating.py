@@ -17,7 +17,8 @@ in what their templates accept, and :func:`template_inputs` adapts:
   neighbouring user turn;
 * **one call per message** — multi-call assistant turns are split, each call
   followed by its own result (Llama 3.1 refuses more than one);
-* **thinking** — the request's on/off goes to the family's template switch;
+* **thinking** — the request's on/off goes to the family's template switch, and its
+  reasoning effort (low/medium/high) to the family's effort key (gpt-oss);
 * **tool_choice** — ``none`` hides the tools; ``required`` or a named tool adds
   an instruction (local models have no constrained decoding to force it).
 """
@@ -110,6 +111,20 @@ def _merge_users(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+_EFFORTS = ("low", "medium", "high")
+
+
+def _graded_effort(request: ChatRequest) -> str | None:
+    """The request's reasoning effort as templates grade it: low / medium / high. Thinking switched off (effort
+    ``none``/``minimal``, Anthropic's ``disabled``) is the lowest grade: such models always reason a little."""
+    effort = (request.reasoning_effort or "").lower()
+    if effort in _EFFORTS:
+        return effort
+    if effort == "xhigh" or effort == "max":
+        return "high"
+    return "low" if request.thinking is False else None
+
+
 def template_inputs(request: ChatRequest, family: Family, template: str | None) -> tuple[
         list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
     """``(messages, tools, kwargs)`` for ``apply_chat_template``."""
@@ -161,4 +176,7 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
     toggle = family.reasoning.toggle
     if toggle and request.thinking is not None:
         kwargs.setdefault(toggle, request.thinking)
+    effort = _graded_effort(request)
+    if family.reasoning.effort and effort is not None:
+        kwargs.setdefault(family.reasoning.effort, effort)
     return messages, (tools if delivery == "template" and tools else None), kwargs

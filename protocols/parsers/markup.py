@@ -94,8 +94,9 @@ _CONTENT, _BLOCK, _AFTER, _LEAD = "content", "block", "after", "lead"
 
 
 class MarkupToolParser(ToolParser):
-    """See the module docstring. Subclasses set :attr:`blocks` and implement
-    :meth:`parse_block`; those without markup override :meth:`make_lead`."""
+    """See the module docstring. Subclasses set :attr:`blocks` (or, when options set
+    them, override :meth:`markers`) and implement :meth:`parse_block`; those without
+    markup override :meth:`make_lead`."""
 
     blocks: ClassVar[tuple[tuple[str, str | None], ...]] = ()
 
@@ -103,14 +104,19 @@ class MarkupToolParser(ToolParser):
         self, tools: Sequence[Mapping[str, Any]] = (), *, id_factory: IdFactory = new_call_id
     ) -> None:
         super().__init__(tools, id_factory=id_factory)
-        self._openers = tuple(sorted((opener for opener, _ in self.blocks), key=len, reverse=True))
-        self._closers = dict(self.blocks)
+        blocks = self.markers()
+        self._openers = tuple(sorted((opener for opener, _ in blocks), key=len, reverse=True))
+        self._closers = dict(blocks)
         self._lead = self.make_lead()
         self._state = _LEAD if self._lead is not None else _CONTENT
         self._buf = ""
         self._opener = ""
         self._spaces = ""  # whitespace dropped before the open block, restored if it fails
         self._scan_from = 0
+
+    def markers(self) -> tuple[tuple[str, str | None], ...]:
+        """The blocks of this instance: :attr:`blocks`, unless the format's options set them."""
+        return self.blocks
 
     def make_lead(self) -> Lead | None:
         return None
