@@ -18,7 +18,8 @@ in what their templates accept, and :func:`template_inputs` adapts:
 * **one call per message** — multi-call assistant turns are split, each call
   followed by its own result (Llama 3.1 refuses more than one);
 * **thinking** — the request's on/off goes to the family's template switch, and its
-  reasoning effort (low/medium/high) to the family's effort key (gpt-oss);
+  reasoning effort (low/medium/high) to the family's effort key (gpt-oss); earlier
+  turns' reasoning goes under the key the template reads (gpt-oss: ``thinking``);
 * **tool_choice** — ``none`` hides the tools; ``required`` or a named tool adds
   an instruction (local models have no constrained decoding to force it).
 """
@@ -111,6 +112,15 @@ def _merge_users(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _described(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool with a ``description`` (empty when the client sent none): templates index it, and
+    gpt-oss's concatenates it, which fails on a missing one."""
+    function = tool.get("function")
+    if isinstance(function, dict) and "description" not in function:
+        return {**tool, "function": {**function, "description": ""}}
+    return tool
+
+
 _EFFORTS = ("low", "medium", "high")
 
 
@@ -142,6 +152,9 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
                 msg["tool_call_id"] = alnum9(msg["tool_call_id"])
     if family.tools.one_call_per_message:
         messages = _split_calls(messages)
+    if family.reasoning.history_field != "reasoning_content":
+        key = family.reasoning.history_field
+        messages = [{key if k == "reasoning_content" else k: v for k, v in m.items()} for m in messages]
 
     system_extra = [_choice_instruction(request.tool_choice) if tools else ""]
     if delivery == "injected":
@@ -179,4 +192,4 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
     effort = _graded_effort(request)
     if family.reasoning.effort and effort is not None:
         kwargs.setdefault(family.reasoning.effort, effort)
-    return messages, (tools if delivery == "template" and tools else None), kwargs
+    return messages, ([_described(t) for t in tools] if delivery == "template" and tools else None), kwargs
