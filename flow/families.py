@@ -68,9 +68,13 @@ class Detect(_Strict):
 
 class Tools(_Strict):
     parser: str = Field(default="null", description="tool-call parser id")
-    delivery: Literal["auto", "template", "injected"] = Field(
+    delivery: Literal["auto", "template", "injected", "system"] = Field(
         default="auto", description="template: pass tools= to the chat template; injected: describe them in the "
-        "system message; auto: template when it mentions tools, else injected")
+        "system message and write earlier calls as text; system: describe them in the system message, earlier "
+        "calls still to the template; auto: template when it mentions tools, else injected")
+    arguments: Literal["object", "string"] = Field(
+        default="object", description="earlier calls' arguments as the template wants them: an object, or JSON "
+        "text (templates that concatenate them)")
     prompt: str = Field(default=DEFAULT_TOOL_PROMPT, description="injected tool prompt ({tools}, {call_format})")
     call_format: str = Field(default='<tool_call>\n{"name": "NAME", "arguments": {ARGUMENTS}}\n</tool_call>',
                              description="how the injected prompt tells the model to write a call")

@@ -314,8 +314,9 @@ def message_id(request: ChatRequest) -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``)."""
-    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``); an id the model wrote
+    itself (Kimi K2's ``functions.NAME:0``) is the one its template expects back, so it stays as it is."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
 
 
 def thinking_signature(text: str) -> str:

@@ -49,7 +49,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo
 
-Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss"]
+Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
+               "seed_oss"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -114,6 +115,10 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-gemma3": TinySpec(arch="gemma3"),
     # The model families' architectures (runtime/tiny_archs.py), with their real chat templates.
     "tiny-gpt-oss": TinySpec(arch="gpt_oss", intermediate_size=64),
+    "tiny-deepseek-v3": TinySpec(arch="deepseek_v3", intermediate_size=64),
+    "tiny-kimi-k2": TinySpec(arch="kimi_k2", intermediate_size=64),
+    "tiny-minimax-m2": TinySpec(arch="minimax", intermediate_size=64),
+    "tiny-seed-oss": TinySpec(arch="seed_oss", intermediate_size=64),
     # Embedding models (mlx-embeddings): an encoder with a WordPiece tokenizer, and a decoder-style one.
     "tiny-bert": TinySpec(arch="bert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=128,
                           vocab_size=1000, max_position_embeddings=512),

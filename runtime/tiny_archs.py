@@ -12,7 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.tiny_templates import GPT_OSS_TEMPLATE
+from runtime.tiny_templates import (
+    DEEPSEEK_V31_TEMPLATE,
+    GPT_OSS_TEMPLATE,
+    KIMI_K2_TEMPLATE,
+    MINIMAX_M2_TEMPLATE,
+    SEED_OSS_TEMPLATE,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,62 @@ def _gpt_oss_fields(layers: int) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_fields(layers: int) -> dict[str, Any]:
+    # Multi-head latent attention and a mixture of experts behind one dense layer, as V3 and Kimi K2 have.
+    return {
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    }
+
+
+def _minimax_fields(layers: int) -> dict[str, Any]:
+    return {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5_000_000.0,
+        "rotary_dim": 8,
+        "scoring_func": "sigmoid",
+        "use_qk_norm": True,
+        "hidden_act": "silu",
+    }
+
+
+def _seed_oss_fields(layers: int) -> dict[str, Any]:
+    return {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000_000.0,
+        "rope_scaling": None,
+        "attention_bias": True,
+        "attention_out_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+
+
+_DEEPSEEK_TOOL_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                         "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                         "<｜tool▁output▁end｜>", "<｜tool▁sep｜>")
+
 FAMILY_ARCHS: dict[str, ArchInfo] = {
     # openai/gpt-oss: the o200k harmony special tokens; <|return|> ends an answer, <|call|> a call.
     "gpt_oss": ArchInfo(
@@ -78,5 +140,93 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         chat_template=GPT_OSS_TEMPLATE,
         module="gpt_oss",
         fields=_gpt_oss_fields,
+    ),
+    # deepseek-ai/DeepSeek-V3.1: <think> and </think> are ordinary added tokens, the tool markers special.
+    "deepseek_v3": ArchInfo(
+        model_type="deepseek_v3",
+        architecture="DeepseekV3ForCausalLM",
+        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
+                 *_DEEPSEEK_TOOL_TOKENS),
+        added=("<think>", "</think>"),
+        reserved_fmt="<｜place▁holder▁no▁{}｜>",
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        pad="<｜▁pad▁｜>",
+        unk=None,
+        prepend_bos=True,
+        config_bos="<｜begin▁of▁sentence｜>",
+        config_eos=("<｜end▁of▁sentence｜>",),
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        tie_embeddings=False,
+        chat_template=DEEPSEEK_V31_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.95},
+        module="deepseek_v3",
+        fields=_deepseek_v3_fields,
+    ),
+    # moonshotai/Kimi-K2: DeepSeek V3's architecture under its own model_type, ChatML-like im_ tokens.
+    "kimi_k2": ArchInfo(
+        model_type="kimi_k2",
+        architecture="DeepseekV3ForCausalLM",
+        special=("[BOS]", "[EOS]", "[PAD]", "[UNK]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                 "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"),
+        added=(),
+        reserved_fmt="<|reserved_token_{}|>",
+        bos="[BOS]",
+        eos="<|im_end|>",
+        pad="[PAD]",
+        unk="[UNK]",
+        prepend_bos=False,
+        config_bos="[BOS]",
+        config_eos=("<|im_end|>",),
+        stop_tokens=("<|im_end|>", "[EOS]"),
+        tie_embeddings=False,
+        chat_template=KIMI_K2_TEMPLATE,
+        generation_defaults={"temperature": 1.0},
+        module="deepseek_v3",
+        fields=_deepseek_v3_fields,
+    ),
+    # MiniMaxAI/MiniMax-M2: ]~!b[ begins the text, ]~b] a turn, [e~[ ends one.
+    "minimax": ArchInfo(
+        model_type="minimax_m2",
+        architecture="MiniMaxM2ForCausalLM",
+        special=("]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+        added=(),
+        reserved_fmt="<minimax:reserved_{}>",
+        bos="]~!b[",
+        eos="[e~[",
+        pad="[e~[",
+        unk=None,
+        prepend_bos=False,
+        config_bos="]~!b[",
+        config_eos=("[e~[",),
+        stop_tokens=("[e~[",),
+        tie_embeddings=False,
+        chat_template=MINIMAX_M2_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 40},
+        module="minimax",
+        fields=_minimax_fields,
+    ),
+    # ByteDance-Seed/Seed-OSS-36B-Instruct: <seed:…> turn, thinking and call tokens.
+    "seed_oss": ArchInfo(
+        model_type="seed_oss",
+        architecture="SeedOssForCausalLM",
+        special=("<seed:bos>", "<seed:eos>", "<seed:pad>", "<seed:think>", "</seed:think>", "<seed:tool_call>",
+                 "</seed:tool_call>", "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"),
+        added=(),
+        reserved_fmt="<[PLHD{}_never_used]>",
+        bos="<seed:bos>",
+        eos="<seed:eos>",
+        pad="<seed:pad>",
+        unk=None,
+        prepend_bos=False,
+        config_bos="<seed:bos>",
+        config_eos=("<seed:eos>",),
+        stop_tokens=("<seed:eos>",),
+        tie_embeddings=False,
+        chat_template=SEED_OSS_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 1.1, "top_p": 0.95},
+        module="seed_oss",
+        fields=_seed_oss_fields,
     ),
 }

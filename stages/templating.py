@@ -7,7 +7,11 @@ in what their templates accept, and :func:`template_inputs` adapts:
 * **tool delivery** — ``template``: ``tools=`` goes to the template;
   ``injected``: the tools are described in the system message (the family's
   prompt) and earlier calls are written back as text in the syntax the
-  family's parser reads, so the model sees its own format;
+  family's parser reads, so the model sees its own format; ``system``: the
+  tools are described in the system message and earlier calls still go to the
+  template, which renders them (DeepSeek V3.1's renders calls but not tools);
+* **call arguments** — ``string``: earlier calls' arguments as JSON text, for
+  templates that concatenate them;
 * **tool results** — ``tool_role = "user"``: results become user turns (merged
   with neighbouring user turns, since such templates insist on alternation);
 * **call ids** — ``alnum9``: ids are rewritten, consistently within the
@@ -112,6 +116,15 @@ def _merge_users(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _string_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A call whose arguments are JSON text, for templates that concatenate them (DeepSeek's)."""
+    function = call.get("function")
+    if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
+        return {**call, "function": {**function, "arguments": json.dumps(function.get("arguments") or {},
+                                                                          ensure_ascii=False)}}
+    return call
+
+
 def _described(tool: dict[str, Any]) -> dict[str, Any]:
     """A function tool with a ``description`` (empty when the client sent none): templates index it, and
     gpt-oss's concatenates it, which fails on a missing one."""
@@ -156,10 +169,15 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
         key = family.reasoning.history_field
         messages = [{key if k == "reasoning_content" else k: v for k, v in m.items()} for m in messages]
 
+    if family.tools.arguments == "string":
+        for msg in messages:
+            if msg.get("tool_calls"):
+                msg["tool_calls"] = [_string_arguments(c) for c in msg["tool_calls"]]
+
     system_extra = [_choice_instruction(request.tool_choice) if tools else ""]
+    if delivery in ("injected", "system") and tools:
+        system_extra.insert(0, tool_prompt(family, tuple(tools)))
     if delivery == "injected":
-        if tools:
-            system_extra.insert(0, tool_prompt(family, tuple(tools)))
         for msg in messages:
             calls = msg.pop("tool_calls", None)
             if calls:

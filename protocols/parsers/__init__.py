@@ -214,7 +214,8 @@ def make_response_parser(
     tool_options: Mapping[str, Any] | None = None,
 ) -> ResponseParser:
     """The parser for one response, from a family's parser ids and options."""
-    tool = make_tool_parser(tool_parser, tools, id_factory=id_factory, loose=loose_tool_calls, options=tool_options)
+    options = tool_options if tool_parser is not None else None  # the family's options are its parser's
+    tool = make_tool_parser(tool_parser, tools, id_factory=id_factory, loose=loose_tool_calls, options=options)
     if tool.reads_reasoning:
         return ResponseParser(tools=tool)  # one markup for both: the tool parser reads it all
     return ResponseParser(reasoning=make_reasoning_parser(reasoning_parser, **dict(reasoning_options or {})),
