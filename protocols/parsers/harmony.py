@@ -155,6 +155,12 @@ class HarmonyParser(ToolParser):
         return True
 
     def _body(self, out: list[Event], final: bool) -> bool:
+        if not final and "<" not in self._buf:  # the common case, a token of text: no marker can be near
+            if self._kind is not None:
+                cut = len(self._buf.rstrip())
+                _add(out, self._kind, self._buf[:cut])
+                self._buf = self._buf[cut:]
+            return False
         at, stop = _first(self._buf, _BODY_STOPS)
         if stop is None and not final:
             if self._kind is not None:  # stream what cannot be the start of a terminator
