@@ -166,3 +166,23 @@ def test_real_generation_in_every_protocol(case: Family) -> None:
         assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
         responses = chat.responses.create(model="m", input="Hi", max_output_tokens=5)
         assert responses.status in ("completed", "incomplete")
+
+
+def test_probe_keeps_the_family_markers_and_serving_drops_them_for_another_parser(tmp_path: Path) -> None:
+    """``flow probe`` reads a real answer with the family's own parser configured by its file (Seed-OSS:
+    ``xml_calls`` in ``<seed:tool_call>``); if it records another parser, serving gives that one its defaults."""
+    from dataclasses import replace
+
+    from flow.capabilities import CapabilityStore, family_from_capabilities
+    from flow.cli import main
+    from protocols.parsers import make_tool_parser
+
+    db = tmp_path / "caps.sqlite"
+    assert main(["probe", "tiny:tiny-seed-oss", "--max-tokens", "8", "--db", str(db)]) == 0
+    (caps,) = CapabilityStore(db).all()
+    assert (caps.family, caps.tool_delivery, caps.reasoning_parser) == ("seed-oss", "template", "think_tag")
+    served = family_from_capabilities(replace(caps, tool_parser="xml_calls"), builtin_families())
+    assert served.tools.options["wrapper"] == ["<seed:tool_call>", "</seed:tool_call>"]
+    other = family_from_capabilities(replace(caps, tool_parser="hermes_json"), builtin_families())
+    assert other.tools.options == {} and other.reasoning.options["start"] == "<seed:think>"
+    make_tool_parser(other.tools.parser, TOOLS, options=other.tools.options)  # a parser it can make
