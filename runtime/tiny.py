@@ -50,7 +50,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo
 
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
-               "seed_oss"]
+               "seed_oss", "qwen3_5"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -119,6 +119,7 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-kimi-k2": TinySpec(arch="kimi_k2", intermediate_size=64),
     "tiny-minimax-m2": TinySpec(arch="minimax", intermediate_size=64),
     "tiny-seed-oss": TinySpec(arch="seed_oss", intermediate_size=64),
+    "tiny-qwen3.5": TinySpec(arch="qwen3_5", intermediate_size=64),
     # Embedding models (mlx-embeddings): an encoder with a WordPiece tokenizer, and a decoder-style one.
     "tiny-bert": TinySpec(arch="bert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=128,
                           vocab_size=1000, max_position_embeddings=512),
@@ -721,6 +722,7 @@ def _model_module(arch: Arch) -> Any:
 def _random_weights(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.array]:
     """Weights named exactly as the real mlx-lm model class names its parameters."""
     module = _model_module(spec.arch)
+    mx.random.seed(spec.seed)  # what module init draws and the loop below keeps (gated-delta decay rates) is fixed
     model = module.Model(module.ModelArgs.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
     if spec.arch == "gemma3":

@@ -17,6 +17,7 @@ from runtime.tiny_templates import (
     GPT_OSS_TEMPLATE,
     KIMI_K2_TEMPLATE,
     MINIMAX_M2_TEMPLATE,
+    QWEN35_TEMPLATE,
     SEED_OSS_TEMPLATE,
 )
 
@@ -111,6 +112,22 @@ def _seed_oss_fields(layers: int) -> dict[str, Any]:
         "attention_bias": True,
         "attention_out_bias": False,
         "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+
+
+def _qwen3_5_fields(layers: int) -> dict[str, Any]:
+    # Gated-delta linear attention with a full attention layer every second one (the real models: every fourth).
+    return {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"type": "default", "mrope_section": [1, 1, 0], "rope_theta": 100000,
+                            "partial_rotary_factor": 0.25},
         "hidden_act": "silu",
     }
 
@@ -228,5 +245,27 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         generation_defaults={"do_sample": True, "temperature": 1.1, "top_p": 0.95},
         module="seed_oss",
         fields=_seed_oss_fields,
+    ),
+    # Qwen/Qwen3.5: Qwen's ChatML tokens and vision placeholders; <think> and the tool tags are added tokens.
+    "qwen3_5": ArchInfo(
+        model_type="qwen3_5",
+        architecture="Qwen3_5ForConditionalGeneration",
+        special=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                 "<|video_pad|>"),
+        added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        reserved_fmt="<|extra_{}|>",
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        unk=None,
+        prepend_bos=False,
+        config_bos="<|endoftext|>",
+        config_eos=("<|im_end|>",),
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        tie_embeddings=False,
+        chat_template=QWEN35_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+        module="qwen3_5",
+        fields=_qwen3_5_fields,
     ),
 }

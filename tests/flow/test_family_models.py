@@ -1,5 +1,5 @@
 """The 2026 families on tiny random-weight models of their own architectures, with their real chat templates:
-DeepSeek V3.1, Kimi K2, MiniMax M2 and Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
+DeepSeek V3.1, Kimi K2, MiniMax M2, Qwen3.5 and Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
 
 For each: detection (also of a renamed copy), the family's exact markup driven through the real tokenizer,
 parsers and formatters of all three protocols by ``generate.echo``, earlier calls and their results rendered
@@ -61,6 +61,12 @@ FAMILIES = [
            'The user wants the weather.\n</think>\n\nLet me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
            '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>', None,
            '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>', "]~b]tool\n<response>Sunny</response>"),
+    Family("tiny-qwen3.5", "qwen3.5",
+           # Thinking is on by default: the template opens <think> in the prompt.
+           "The user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
+           "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", None,
+           "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+           "<tool_response>\nSunny\n</tool_response>"),
     Family("tiny-seed-oss", "seed-oss",
            "<seed:think>The user wants the weather.</seed:think>Let me check.\n<seed:tool_call>\n"
            "<function=get_weather>\n<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>", None,
