@@ -14,6 +14,7 @@ from typing import Any
 
 from runtime.tiny_templates import (
     DEEPSEEK_V31_TEMPLATE,
+    GEMMA4_TEMPLATE,
     GPT_OSS_TEMPLATE,
     KIMI_K2_TEMPLATE,
     MINIMAX_M2_TEMPLATE,
@@ -129,6 +130,24 @@ def _qwen3_5_fields(layers: int) -> dict[str, Any]:
         "rope_parameters": {"type": "default", "mrope_section": [1, 1, 0], "rope_theta": 100000,
                             "partial_rotary_factor": 0.25},
         "hidden_act": "silu",
+    }
+
+
+def _gemma4_fields(layers: int) -> dict[str, Any]:
+    # One sliding and one full attention layer, no per-layer inputs or shared KV (the small real models have them).
+    return {
+        "global_head_dim": 16,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 0,
+        "sliding_window": 128,
+        "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers - 1)]
+        + ["full_attention"],
+        "use_double_wide_mlp": False,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
     }
 
 
@@ -267,5 +286,28 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         generation_defaults={"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
         module="qwen3_5",
         fields=_qwen3_5_fields,
+    ),
+    # google/gemma-4: Gemma's <pad> <eos> <bos> <unk> first, then the turn, tool and channel tokens.
+    "gemma4": ArchInfo(
+        model_type="gemma4_text",
+        architecture="Gemma4ForCausalLM",
+        special=("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                 "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
+                 "<|think|>", "<|image|>", "<|audio|>", "<|video|>"),
+        added=(),
+        reserved_fmt="<unused{}>",
+        bos="<bos>",
+        eos="<turn|>",
+        pad="<pad>",
+        unk="<unk>",
+        prepend_bos=True,
+        config_bos="<bos>",
+        config_eos=("<eos>", "<turn|>"),
+        stop_tokens=("<eos>", "<turn|>"),
+        tie_embeddings=True,
+        chat_template=GEMMA4_TEMPLATE,
+        generation_defaults={"do_sample": True, "top_k": 64, "top_p": 0.95, "temperature": 1.0},
+        module="gemma4_text",
+        fields=_gemma4_fields,
     ),
 }

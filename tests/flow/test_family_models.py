@@ -1,5 +1,5 @@
 """The 2026 families on tiny random-weight models of their own architectures, with their real chat templates:
-DeepSeek V3.1, Kimi K2, MiniMax M2, Qwen3.5 and Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
+DeepSeek V3.1, Gemma 4, Kimi K2, MiniMax M2, Qwen3.5 and Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
 
 For each: detection (also of a renamed copy), the family's exact markup driven through the real tokenizer,
 parsers and formatters of all three protocols by ``generate.echo``, earlier calls and their results rendered
@@ -61,6 +61,10 @@ FAMILIES = [
            'The user wants the weather.\n</think>\n\nLet me check.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
            '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>', None,
            '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>', "]~b]tool\n<response>Sunny</response>"),
+    Family("tiny-gemma4", "gemma4",
+           '<|channel>thought\nThe user wants the weather.<channel|>Let me check.<|tool_call>call:get_weather{city:<|"|>'
+           'Paris<|"|>}<tool_call|>', None,
+           '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', "<|turn>tool\nSunny<turn|>"),
     Family("tiny-qwen3.5", "qwen3.5",
            # Thinking is on by default: the template opens <think> in the prompt.
            "The user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
@@ -152,7 +156,7 @@ def test_calls_and_results_go_back_through_the_template(case: Family) -> None:
     text = render_prompt(load_tokenizer(ensure_tiny_model(case.preset)), request, builtin_families()[case.family])
     assert case.rendered_call in text and case.rendered_result in text
     assert text.index(case.rendered_call) < text.index(case.rendered_result)
-    assert '"get_weather"' in text or "get_weather(" in text  # the tool itself is described
+    assert TOOLS[0]["function"]["description"] in text  # the tool itself is described
 
 
 def test_real_generation_in_every_protocol(case: Family) -> None:
