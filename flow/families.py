@@ -75,7 +75,8 @@ class Tools(_Strict):
     arguments: Literal["object", "string"] = Field(
         default="object", description="earlier calls' arguments as the template wants them: an object, or JSON "
         "text (templates that concatenate them)")
-    prompt: str = Field(default=DEFAULT_TOOL_PROMPT, description="injected tool prompt ({tools}, {call_format})")
+    prompt: str = Field(default=DEFAULT_TOOL_PROMPT, description="injected tool prompt ({tools}: one JSON function "
+                        "a line, {tools_json}: a JSON list of them, {call_format})")
     call_format: str = Field(default='<tool_call>\n{"name": "NAME", "arguments": {ARGUMENTS}}\n</tool_call>',
                              description="how the injected prompt tells the model to write a call")
     call_ids: Literal["any", "alnum9"] = Field(default="any", description="alnum9: rewrite ids to 9 letters/digits (Mistral)")

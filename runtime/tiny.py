@@ -50,7 +50,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo
 
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
-               "seed_oss", "qwen3_5", "gemma4"]
+               "seed_oss", "qwen3_5", "gemma4", "phi3"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -121,6 +121,7 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-seed-oss": TinySpec(arch="seed_oss", intermediate_size=64),
     "tiny-qwen3.5": TinySpec(arch="qwen3_5", intermediate_size=64),
     "tiny-gemma4": TinySpec(arch="gemma4", intermediate_size=64),
+    "tiny-phi4-mini": TinySpec(arch="phi3", intermediate_size=64),
     # Embedding models (mlx-embeddings): an encoder with a WordPiece tokenizer, and a decoder-style one.
     "tiny-bert": TinySpec(arch="bert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=128,
                           vocab_size=1000, max_position_embeddings=512),

@@ -18,6 +18,7 @@ from runtime.tiny_templates import (
     GPT_OSS_TEMPLATE,
     KIMI_K2_TEMPLATE,
     MINIMAX_M2_TEMPLATE,
+    PHI4_MINI_TEMPLATE,
     QWEN35_TEMPLATE,
     SEED_OSS_TEMPLATE,
 )
@@ -149,6 +150,12 @@ def _gemma4_fields(layers: int) -> dict[str, Any]:
         "rms_norm_eps": 1e-6,
         "hidden_activation": "gelu_pytorch_tanh",
     }
+
+
+def _phi3_fields(layers: int) -> dict[str, Any]:
+    # Phi-4-mini rotates three quarters of each head.
+    return {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096, "hidden_act": "silu"}
 
 
 _DEEPSEEK_TOOL_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
@@ -309,5 +316,26 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         generation_defaults={"do_sample": True, "top_k": 64, "top_p": 0.95, "temperature": 1.0},
         module="gemma4_text",
         fields=_gemma4_fields,
+    ),
+    # microsoft/Phi-4-mini-instruct: <|ROLE|> turns ending in <|end|>, tool wrappers as special tokens.
+    "phi3": ArchInfo(
+        model_type="phi3",
+        architecture="Phi3ForCausalLM",
+        special=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
+                 "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|tag|>"),
+        added=(),
+        reserved_fmt="<|dummy_{}|>",
+        bos="<|endoftext|>",
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        unk=None,
+        prepend_bos=False,
+        config_bos="<|endoftext|>",
+        config_eos=("<|endoftext|>", "<|end|>"),
+        stop_tokens=("<|endoftext|>", "<|end|>"),
+        tie_embeddings=False,
+        chat_template=PHI4_MINI_TEMPLATE,
+        module="phi3",
+        fields=_phi3_fields,
     ),
 }

@@ -1293,3 +1293,7 @@ GEMMA4_TEMPLATE = r"""{%- macro format_parameters(properties, required) -%}
     {%- endif -%}
 {%- endif -%}
 """
+
+# microsoft/Phi-4-mini-instruct: tools only as a JSON string in the system message's "tools" field (no tools=),
+# every turn <|ROLE|>…<|end|>.
+PHI4_MINI_TEMPLATE = r"""{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"""

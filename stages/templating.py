@@ -51,9 +51,14 @@ def alnum9(call_id: str) -> str:
     return out
 
 
-def render_calls(parser: str, calls: list[dict[str, Any]]) -> str:
-    """Earlier tool calls as text, in the syntax ``parser`` reads (for injected delivery)."""
+def render_calls(parser: str, calls: list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
+    """Earlier tool calls as text, in the syntax ``parser`` with the family's ``options`` reads (for injected
+    delivery)."""
     pairs = [(c["function"]["name"], c["function"].get("arguments") or {}) for c in calls]
+    start = (options or {}).get("start", "<tool_call>")
+    if parser == "hermes_json" and start != "<tool_call>":  # a JSON list behind the family's marker (Phi-4-mini)
+        listed = json.dumps([{"name": n, "arguments": a} for n, a in pairs])
+        return (start[:-1] if start.endswith("[") else start) + listed + (options or {}).get("end", "")
     if parser == "pythonic":
         return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in pairs) + "]"
     if parser == "llama3_json":
@@ -64,8 +69,10 @@ def render_calls(parser: str, calls: list[dict[str, Any]]) -> str:
 
 
 def tool_prompt(family: Family, tools: tuple[dict[str, Any], ...]) -> str:
-    described = "\n".join(json.dumps(t.get("function", t)) for t in tools)
-    return family.tools.prompt.format(tools=described, call_format=family.tools.call_format)
+    functions = [t.get("function", t) for t in tools]
+    described = "\n".join(json.dumps(f) for f in functions)
+    return family.tools.prompt.format(tools=described, tools_json=json.dumps(functions, ensure_ascii=False),
+                                      call_format=family.tools.call_format)
 
 
 def _choice_instruction(choice: str | dict[str, Any] | None) -> str:
@@ -181,7 +188,7 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
         for msg in messages:
             calls = msg.pop("tool_calls", None)
             if calls:
-                text = render_calls(family.tools.parser, calls)
+                text = render_calls(family.tools.parser, calls, family.tools.options)
                 msg["content"] = f"{msg['content']}\n{text}" if msg.get("content") else text
     merge = family.tools.tool_role == "user"  # such templates insist on alternating turns
     if family.mid_system == "user":

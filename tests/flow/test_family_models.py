@@ -1,5 +1,6 @@
 """The 2026 families on tiny random-weight models of their own architectures, with their real chat templates:
-DeepSeek V3.1, Gemma 4, Kimi K2, MiniMax M2, Qwen3.5 and Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
+DeepSeek V3.1, Gemma 4, Kimi K2, MiniMax M2, Phi-4-mini, Qwen3.5 and
+Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
 
 For each: detection (also of a renamed copy), the family's exact markup driven through the real tokenizer,
 parsers and formatters of all three protocols by ``generate.echo``, earlier calls and their results rendered
@@ -30,6 +31,7 @@ from tests.harness import WEATHER_TOOLS, RunningServer, graph_with_model, runnin
 TOOLS = WEATHER_TOOLS
 ANTHROPIC_TOOLS: Any = [{"name": "get_weather", "description": "Weather",
                          "input_schema": TOOLS[0]["function"]["parameters"]}]
+REASONING = "The user wants the weather."
 RESPONSES_TOOLS: Any = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
 
 
@@ -41,6 +43,7 @@ class Family:
     call_id: str | None  # the id the model wrote for its call (Kimi), else None: flow makes one
     rendered_call: str  # how the template writes the call back into the next prompt
     rendered_result: str  # and its result
+    reasoning: bool = True  # the script holds reasoning: "The user wants the weather."
 
 
 FAMILIES = [
@@ -65,6 +68,9 @@ FAMILIES = [
            '<|channel>thought\nThe user wants the weather.<channel|>Let me check.<|tool_call>call:get_weather{city:<|"|>'
            'Paris<|"|>}<tool_call|>', None,
            '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>', "<|turn>tool\nSunny<turn|>"),
+    Family("tiny-phi4-mini", "phi4-mini",
+           'Let me check. functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+           'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "<|tool|>Sunny<|end|>", reasoning=False),
     Family("tiny-qwen3.5", "qwen3.5",
            # Thinking is on by default: the template opens <think> in the prompt.
            "The user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
@@ -108,7 +114,8 @@ def test_openai_chat(case: Family, echo: RunningServer) -> None:
     out = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=300)
     message = out.choices[0].message
     assert out.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
-    assert message.model_extra and message.model_extra["reasoning_content"] == "The user wants the weather."
+    assert (message.model_extra or {}).get("reasoning_content") == REASONING if case.reasoning else (
+        not (message.model_extra or {}).get("reasoning_content"))
     assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
     assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
     if case.call_id is not None:
@@ -126,8 +133,9 @@ def test_anthropic_messages(case: Family, echo: RunningServer) -> None:
     with c.messages.stream(model="tiny", max_tokens=300, messages=[{"role": "user", "content": case.script}],
                            tools=ANTHROPIC_TOOLS) as stream:
         final = stream.get_final_message()
-    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"] and final.stop_reason == "tool_use"
-    tool_use = final.content[2]
+    blocks = ["thinking", "text", "tool_use"] if case.reasoning else ["text", "tool_use"]
+    assert [b.type for b in final.content] == blocks and final.stop_reason == "tool_use"
+    tool_use = final.content[-1]
     assert tool_use.type == "tool_use" and tool_use.input == {"city": "Paris"}
     if case.call_id is not None:
         assert tool_use.id == case.call_id
@@ -136,8 +144,9 @@ def test_anthropic_messages(case: Family, echo: RunningServer) -> None:
 def test_responses(case: Family, echo: RunningServer) -> None:
     c = openai.OpenAI(base_url=echo.url, api_key="x", max_retries=0)
     response = c.responses.create(model="tiny", input=case.script, tools=RESPONSES_TOOLS, max_output_tokens=300)
-    assert [o.type for o in response.output] == ["reasoning", "message", "function_call"]
-    call = response.output[2]
+    items = ["reasoning", "message", "function_call"] if case.reasoning else ["message", "function_call"]
+    assert [o.type for o in response.output] == items
+    call = response.output[-1]
     assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
     if case.call_id is not None:
         assert call.call_id == case.call_id
