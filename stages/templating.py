@@ -58,7 +58,8 @@ def render_calls(parser: str, calls: list[dict[str, Any]], options: dict[str, An
     start = (options or {}).get("start", "<tool_call>")
     if parser == "hermes_json" and start != "<tool_call>":  # a JSON list behind the family's marker (Phi-4-mini)
         listed = json.dumps([{"name": n, "arguments": a} for n, a in pairs])
-        return (start[:-1] if start.endswith("[") else start) + listed + (options or {}).get("end", "")
+        end = str((options or {}).get("end", ""))
+        return str(start[:-1] if start.endswith("[") else start) + listed + end
     if parser == "pythonic":
         return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in pairs) + "]"
     if parser == "llama3_json":
