@@ -95,6 +95,8 @@ class Reasoning(_Strict):
     options: dict[str, Any] = Field(default_factory=dict, description="the parser's format options (tags)")
     effort: str | None = Field(default=None, description="chat_template_kwargs key that takes the request's "
                                "reasoning effort (low/medium/high), for templates that grade thinking")
+    budget: str | None = Field(default=None, description="chat_template_kwargs key that takes the request's thinking "
+                               "budget in tokens (0 when thinking is off), for templates that limit thinking")
     history_field: str = Field(default="reasoning_content", description="the assistant-message key the template "
                                "reads earlier reasoning from (gpt-oss: thinking)")
 

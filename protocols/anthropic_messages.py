@@ -299,6 +299,7 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         response_format=decode_response_format((parsed.output_config or {}).get("format"), "output_config.format"),
         thinking=thinking,
         reasoning_effort=_effort(parsed.output_config),
+        reasoning_budget=parsed.thinking.budget_tokens if parsed.thinking and parsed.thinking.type == "enabled" else None,
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,

@@ -22,7 +22,8 @@ in what their templates accept, and :func:`template_inputs` adapts:
 * **one call per message** — multi-call assistant turns are split, each call
   followed by its own result (Llama 3.1 refuses more than one);
 * **thinking** — the request's on/off goes to the family's template switch, and its
-  reasoning effort (low/medium/high) to the family's effort key (gpt-oss); earlier
+  reasoning effort (low/medium/high) to the family's effort key (gpt-oss), its thinking
+  budget in tokens to the budget key (Seed-OSS; 0 when thinking is off); earlier
   turns' reasoning goes under the key the template reads (gpt-oss: ``thinking``);
 * **tool_choice** — ``none`` hides the tools; ``required`` or a named tool adds
   an instruction (local models have no constrained decoding to force it).
@@ -218,4 +219,7 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
     effort = _graded_effort(request)
     if family.reasoning.effort and effort is not None:
         kwargs.setdefault(family.reasoning.effort, effort)
+    budget = 0 if request.thinking is False else request.reasoning_budget
+    if family.reasoning.budget and budget is not None:
+        kwargs.setdefault(family.reasoning.budget, budget)
     return messages, ([_described(t) for t in tools] if delivery == "template" and tools else None), kwargs

@@ -205,3 +205,16 @@ def test_probe_keeps_the_family_markers_and_serving_drops_them_for_another_parse
     other = family_from_capabilities(replace(caps, tool_parser="hermes_json"), builtin_families())
     assert other.tools.options == {} and other.reasoning.options["start"] == "<seed:think>"
     make_tool_parser(other.tools.parser, TOOLS, options=other.tools.options)  # a parser it can make
+
+
+def test_seed_oss_thinking_budget_reaches_the_template() -> None:
+    """Anthropic's ``budget_tokens`` becomes Seed-OSS's ``thinking_budget``; thinking switched off is a budget of 0."""
+    tokenizer = load_tokenizer(ensure_tiny_model("tiny-seed-oss"))
+    family = builtin_families()["seed-oss"]
+    hi = (Message("user", "Hi"),)
+    budgeted = render_prompt(tokenizer, ChatRequest(model="m", messages=hi, thinking=True, reasoning_budget=512), family)
+    assert "your thinking budget" not in budgeted and "which is 512" in budgeted
+    off = render_prompt(tokenizer, ChatRequest(model="m", messages=hi, thinking=False), family)
+    assert "your thinking budget is 0" in off and off.endswith("<seed:think><seed:cot_budget_reflect>")
+    default = render_prompt(tokenizer, ChatRequest(model="m", messages=hi), family)
+    assert "thinking budget" not in default

@@ -27,7 +27,7 @@ def family_parser(family: str, *, tools: bool = True, prompt: str = "") -> Strea
         options["starts_inside"] = prompt.rstrip().endswith(f.reasoning.open_tag)
     return make_response_parser(tool_parser=f.tools.parser if tools else None, reasoning_parser=f.reasoning.parser,
                                 tools=TOOLS, id_factory=counting_ids(), reasoning_options=options,
-                                tool_options=f.tools.options)
+                                tool_options=f.tools.options, loose_tool_calls=tools and f.tools.loose_calls)
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,10 @@ CASES = [
     # Llama 4: pythonic, in <|python_start|> or bare
     Case("llama4", "pythonic list", "[get_weather(city='Paris'), get_time()]",
          [C(0, "get_weather", PARIS), C(1, "get_time", {})]),
+    Case("llama4", "pythonic in python tags", "<|python_start|>[get_weather(city='Paris')]<|python_end|>",
+         [C(0, "get_weather", PARIS)]),
+    Case("llama4", "JSON calls", '{"name": "get_weather", "parameters": {"city": "Paris"}}', [C(0, "get_weather", PARIS)]),
+    Case("llama4", "JSON that is no call stays text", '{"city": "Paris"}', [T('{"city": "Paris"}')]),
 ]
 
 
