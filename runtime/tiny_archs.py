@@ -31,18 +31,18 @@ class ArchInfo:
     model_type: str
     architecture: str
     special: tuple[str, ...]  # special tokens, ids 0.. in this order
-    added: tuple[str, ...]  # non-special added tokens (survive skip_special_tokens)
     reserved_fmt: str  # name of filler tokens when BPE falls short of the target
     bos: str | None  # what the tokenizer calls bos_token
     eos: str
     pad: str
-    unk: str | None
-    prepend_bos: bool  # tokenizer.encode adds bos (Llama 3 and Gemma do, Qwen does not)
     config_bos: str  # config.json's bos_token_id
     config_eos: tuple[str, ...]  # config.json's eos_token_id
     stop_tokens: tuple[str, ...]  # generation_config.json's eos_token_id
-    tie_embeddings: bool
     chat_template: str
+    added: tuple[str, ...] = ()  # non-special added tokens (survive skip_special_tokens)
+    unk: str | None = None
+    prepend_bos: bool = False  # tokenizer.encode adds bos (Llama 3 and Gemma do, Qwen does not)
+    tie_embeddings: bool = False
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     module: str = ""  # the mlx-lm module (mlx_lm.models.<module>); "" for the original three
     fields: Callable[[int], dict[str, Any]] | None = None  # config.json fields beyond the common ones
@@ -169,17 +169,13 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         architecture="GptOssForCausalLM",
         special=("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
                  "<|constrain|>", "<|return|>", "<|call|>"),
-        added=(),
         reserved_fmt="<|reserved_{}|>",
         bos="<|startoftext|>",
         eos="<|return|>",
         pad="<|endoftext|>",
-        unk=None,
-        prepend_bos=False,
         config_bos="<|startoftext|>",
         config_eos=("<|return|>",),
         stop_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
-        tie_embeddings=False,
         chat_template=GPT_OSS_TEMPLATE,
         module="gpt_oss",
         fields=_gpt_oss_fields,
@@ -195,12 +191,10 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         bos="<｜begin▁of▁sentence｜>",
         eos="<｜end▁of▁sentence｜>",
         pad="<｜▁pad▁｜>",
-        unk=None,
         prepend_bos=True,
         config_bos="<｜begin▁of▁sentence｜>",
         config_eos=("<｜end▁of▁sentence｜>",),
         stop_tokens=("<｜end▁of▁sentence｜>",),
-        tie_embeddings=False,
         chat_template=DEEPSEEK_V31_TEMPLATE,
         generation_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.95},
         module="deepseek_v3",
@@ -213,17 +207,14 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         special=("[BOS]", "[EOS]", "[PAD]", "[UNK]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                  "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                  "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"),
-        added=(),
         reserved_fmt="<|reserved_token_{}|>",
         bos="[BOS]",
         eos="<|im_end|>",
         pad="[PAD]",
         unk="[UNK]",
-        prepend_bos=False,
         config_bos="[BOS]",
         config_eos=("<|im_end|>",),
         stop_tokens=("<|im_end|>", "[EOS]"),
-        tie_embeddings=False,
         chat_template=KIMI_K2_TEMPLATE,
         generation_defaults={"temperature": 1.0},
         module="deepseek_v3",
@@ -234,17 +225,13 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         model_type="minimax_m2",
         architecture="MiniMaxM2ForCausalLM",
         special=("]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
-        added=(),
         reserved_fmt="<minimax:reserved_{}>",
         bos="]~!b[",
         eos="[e~[",
         pad="[e~[",
-        unk=None,
-        prepend_bos=False,
         config_bos="]~!b[",
         config_eos=("[e~[",),
         stop_tokens=("[e~[",),
-        tie_embeddings=False,
         chat_template=MINIMAX_M2_TEMPLATE,
         generation_defaults={"do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 40},
         module="minimax",
@@ -256,17 +243,13 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         architecture="SeedOssForCausalLM",
         special=("<seed:bos>", "<seed:eos>", "<seed:pad>", "<seed:think>", "</seed:think>", "<seed:tool_call>",
                  "</seed:tool_call>", "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"),
-        added=(),
         reserved_fmt="<[PLHD{}_never_used]>",
         bos="<seed:bos>",
         eos="<seed:eos>",
         pad="<seed:pad>",
-        unk=None,
-        prepend_bos=False,
         config_bos="<seed:bos>",
         config_eos=("<seed:eos>",),
         stop_tokens=("<seed:eos>",),
-        tie_embeddings=False,
         chat_template=SEED_OSS_TEMPLATE,
         generation_defaults={"do_sample": True, "temperature": 1.1, "top_p": 0.95},
         module="seed_oss",
@@ -283,12 +266,9 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         bos=None,
         eos="<|im_end|>",
         pad="<|endoftext|>",
-        unk=None,
-        prepend_bos=False,
         config_bos="<|endoftext|>",
         config_eos=("<|im_end|>",),
         stop_tokens=("<|im_end|>", "<|endoftext|>"),
-        tie_embeddings=False,
         chat_template=QWEN35_TEMPLATE,
         generation_defaults={"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
         module="qwen3_5",
@@ -301,7 +281,6 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         special=("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
                  "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
                  "<|think|>", "<|image|>", "<|audio|>", "<|video|>"),
-        added=(),
         reserved_fmt="<unused{}>",
         bos="<bos>",
         eos="<turn|>",
@@ -323,17 +302,13 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         architecture="Phi3ForCausalLM",
         special=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
                  "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|tag|>"),
-        added=(),
         reserved_fmt="<|dummy_{}|>",
         bos="<|endoftext|>",
         eos="<|endoftext|>",
         pad="<|endoftext|>",
-        unk=None,
-        prepend_bos=False,
         config_bos="<|endoftext|>",
         config_eos=("<|endoftext|>", "<|end|>"),
         stop_tokens=("<|endoftext|>", "<|end|>"),
-        tie_embeddings=False,
         chat_template=PHI4_MINI_TEMPLATE,
         module="phi3",
         fields=_phi3_fields,

@@ -67,6 +67,24 @@ class StreamParser(ABC):
         return coalesce([*self.feed(text), *self.finish()])
 
 
+class BufferedParser(StreamParser):
+    """A state machine that keeps the text it has not decided on in ``_buf``: ``feed`` appends and runs it,
+    ``finish`` runs it a last time (``final``: nothing more will come)."""
+
+    _buf: str
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._run(final=True)
+
+    @abstractmethod
+    def _run(self, final: bool) -> list[Event]:
+        """Decide what the buffer makes certain (everything, when ``final``)."""
+
+
 def coalesce(events: Iterable[Event]) -> list[Event]:
     """Merge adjacent text, adjacent reasoning, and consecutive argument fragments of
     one call; drop empty text. The canonical form for comparing event streams."""

@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from protocols.ir import ReasoningDelta, TextDelta
-from protocols.parsers.base import Event, IdFactory, ToolParser, held_suffix, make_call, new_call_id
+from protocols.parsers.base import BufferedParser, Event, IdFactory, ToolParser, held_suffix, make_call, new_call_id
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -60,7 +60,7 @@ _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _OUTSIDE, _HEADER, _BODY = "outside", "header", "body"
 
 
-class HarmonyParser(ToolParser):
+class HarmonyParser(ToolParser, BufferedParser):
     """See the module docstring. ``calls=False`` leaves calls as content (no tools asked)."""
 
     reads_reasoning = True
@@ -78,13 +78,6 @@ class HarmonyParser(ToolParser):
         self._header = ""  # raw text of the current message up to and including <|message|>
         self._kind: type[TextDelta] | type[ReasoningDelta] | None = None  # None: a call body
         self._recipient = ""
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
 
     def _run(self, final: bool) -> list[Event]:
         out: list[Event] = []

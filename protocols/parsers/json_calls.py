@@ -19,20 +19,8 @@ from protocols.parsers.markup import Brackets, Lead, MarkupToolParser, Parsed
 def json_calls(text: str) -> list[Call] | None:
     """One or more JSON values, each a call or a list of calls, separated by
     whitespace; ``None`` unless all of the text is calls."""
-    calls: list[Call] = []
-    pos, end = _skip_space(text, 0), len(text)
-    while pos < end:
-        try:
-            value, pos = JSON.raw_decode(text, pos)
-        except ValueError:
-            return None
-        for item in value if isinstance(value, list) else [value]:
-            call = call_from_json(item)
-            if call is None:
-                return None
-            calls.append(call)
-        pos = _skip_space(text, pos)
-    return calls or None
+    found = leading_json_calls(text)
+    return found[0] if found is not None and not text[found[1]:].strip() else None
 
 
 def _skip_space(text: str, pos: int) -> int:

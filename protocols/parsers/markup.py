@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from protocols.ir import TextDelta
-from protocols.parsers.base import Call, Event, IdFactory, ToolParser, held_suffix, new_call_id
+from protocols.parsers.base import BufferedParser, Call, Event, IdFactory, ToolParser, held_suffix, new_call_id
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class Brackets:
 _CONTENT, _BLOCK, _AFTER, _LEAD = "content", "block", "after", "lead"
 
 
-class MarkupToolParser(ToolParser):
+class MarkupToolParser(ToolParser, BufferedParser):
     """See the module docstring. Subclasses set :attr:`blocks` (or, when options set
     them, override :meth:`markers`) and implement :meth:`parse_block`; those without
     markup override :meth:`make_lead`."""
@@ -125,13 +125,6 @@ class MarkupToolParser(ToolParser):
     def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
         """Parse the text between ``opener`` and its closer. ``closed`` is false when the
         output ended first (or the format has no closer). ``None``: not calls."""
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
 
     # -- the machine ----------------------------------------------------------------
 
