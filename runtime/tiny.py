@@ -50,7 +50,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo
 
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
-               "seed_oss", "qwen3_5", "gemma4", "phi3"]
+               "seed_oss", "qwen3_5", "gemma4", "phi3",
+               "deepseek_r1"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -116,6 +117,7 @@ PRESETS: dict[str, TinySpec] = {
     # The model families' architectures (runtime/tiny_archs.py), with their real chat templates.
     "tiny-gpt-oss": TinySpec(arch="gpt_oss", intermediate_size=64),
     "tiny-deepseek-v3": TinySpec(arch="deepseek_v3", intermediate_size=64),
+    "tiny-deepseek-r1": TinySpec(arch="deepseek_r1", intermediate_size=64),
     "tiny-kimi-k2": TinySpec(arch="kimi_k2", intermediate_size=64),
     "tiny-minimax-m2": TinySpec(arch="minimax", intermediate_size=64),
     "tiny-seed-oss": TinySpec(arch="seed_oss", intermediate_size=64),

@@ -9,10 +9,11 @@ ones (``fields``, given the layer count).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from runtime.tiny_templates import (
+    DEEPSEEK_R1_TEMPLATE,
     DEEPSEEK_V31_TEMPLATE,
     GEMMA4_TEMPLATE,
     GPT_OSS_TEMPLATE,
@@ -314,3 +315,5 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         fields=_phi3_fields,
     ),
 }
+# deepseek-ai/DeepSeek-R1: V3's architecture and vocabulary, R1's template.
+FAMILY_ARCHS["deepseek_r1"] = replace(FAMILY_ARCHS["deepseek_v3"], chat_template=DEEPSEEK_R1_TEMPLATE)

@@ -38,6 +38,7 @@ from typing import Any
 
 from flow.families import Family
 from protocols.ir import ChatRequest
+from protocols.parsers.sectioned import CALL, SECTION, SEPARATOR
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -61,6 +62,13 @@ def render_calls(parser: str, calls: list[dict[str, Any]], options: dict[str, An
         listed = json.dumps([{"name": n, "arguments": a} for n, a in pairs])
         end = str((options or {}).get("end", ""))
         return str(start[:-1] if start.endswith("[") else start) + listed + end
+    if parser == "sectioned_json":  # DeepSeek V3/R1's layout: the call type, the name, fenced JSON
+        section, call = SECTION, CALL
+        sep = str((options or {}).get("separator", SEPARATOR))
+        section = tuple((options or {}).get("section", section))
+        call = tuple((options or {}).get("call", call))
+        body = "\n".join(f"{call[0]}function{sep}{n}\n```json\n{json.dumps(a)}\n```{call[1]}" for n, a in pairs)
+        return f"{section[0]}{body}{section[1]}"
     if parser == "pythonic":
         return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in pairs) + "]"
     if parser == "llama3_json":

@@ -34,13 +34,18 @@ _FENCED = re.compile(r"\s*([^\n`]+?)\s*\n\s*```(?:json)?\s*\n(.*?)\n?\s*```\s*",
 _KIMI_ID = re.compile(r"(?:functions\.)?([\w.\-]+):\d+")
 
 
+SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+CALL = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
+SEPARATOR = "<｜tool▁sep｜>"
+"""DeepSeek's markers, the defaults."""
+
+
 class SectionedJsonParser(MarkupToolParser):
     """See the module docstring; the defaults are DeepSeek's markers."""
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] = (), *, id_factory: IdFactory = new_call_id,
-                 section: Sequence[str] = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"),
-                 call: Sequence[str] = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"),
-                 separator: str = "<｜tool▁sep｜>", model_ids: bool = False) -> None:
+                 section: Sequence[str] = SECTION, call: Sequence[str] = CALL, separator: str = SEPARATOR,
+                 model_ids: bool = False) -> None:
         if len(section) != 2 or len(call) != 2 or not all([*section, *call, separator]):
             raise ValueError("sectioned_json: section and call are [begin, end], separator is non-empty")
         self.section, self.call, self.separator = tuple(section), tuple(call), separator

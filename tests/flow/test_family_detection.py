@@ -53,8 +53,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, model_type: str, archite
     # The R1 distills: their base's config, DeepSeek's template
     ("qwen2", "Qwen2ForCausalLM", "DeepSeek-R1-Distill-Qwen-7B", R1_DISTILL_TEMPLATE, "deepseek-r1"),
     ("deepseek_v3", "DeepseekV3ForCausalLM", "DeepSeek-R1-0528", R1_DISTILL_TEMPLATE, "deepseek-r1"),
-    ("kimi_k2", "DeepseekV3ForCausalLM", "Kimi-K2-Instruct", "<|tool_calls_section_begin|>", "kimi-k2"),
-    ("kimi_k2", "DeepseekV3ForCausalLM", "renamed", "<|im_system|><|tool_calls_section_begin|>", "kimi-k2"),
+    ("kimi_k2", "DeepseekV3ForCausalLM", "Kimi-K2-Instruct", "<|im_user|>user<|im_middle|>", "kimi-k2"),
+    ("kimi_k2", "DeepseekV3ForCausalLM", "renamed", "<|im_system|>tool_declare<|im_middle|>", "kimi-k2"),
+    ("deepseek_v3", "DeepseekV3ForCausalLM", "renamed", "<|im_system|>tool_declare<|im_middle|>", "kimi-k2"),
     ("gpt_oss", "GptOssForCausalLM", "renamed", "<|start|>system<|message|>{{ x }}<|channel|>", "gpt-oss"),
     ("granite", "GraniteForCausalLM", "granite-3.3-2b-instruct", "<|start_of_role|>available_tools", "granite"),
     ("granitemoehybrid", "GraniteMoeHybridForCausalLM", "renamed", "<|start_of_role|><tool_call>", "granite4"),

@@ -1,5 +1,5 @@
 """The 2026 families on tiny random-weight models of their own architectures, with their real chat templates:
-DeepSeek V3.1, Gemma 4, Kimi K2, MiniMax M2, Phi-4-mini, Qwen3.5 and
+DeepSeek V3.1 and R1, Gemma 4, Kimi K2, MiniMax M2, Phi-4-mini, Qwen3.5 and
 Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
 
 For each: detection (also of a renamed copy), the family's exact markup driven through the real tokenizer,
@@ -53,6 +53,11 @@ FAMILIES = [
            '<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None,
            '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>',
            "<｜tool▁output▁begin｜>Sunny<｜tool▁output▁end｜>"),
+    Family("tiny-deepseek-r1", "deepseek-r1",
+           "The user wants the weather.\n</think>\n\nLet me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+           '<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None,
+           '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>',
+           "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>Sunny<｜tool▁output▁end｜>"),
     Family("tiny-kimi-k2", "kimi-k2",
            "<think>The user wants the weather.</think>Let me check.<|tool_calls_section_begin|><|tool_call_begin|>"
            'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
