@@ -134,6 +134,8 @@ CASES = [
     Case("seed-oss", "thinking then a call", "<seed:think>Paris.</seed:think>" + SEED,
          [R("Paris."), C(0, "get_weather", PARIS)]),
     Case("seed-oss", "a truncated call is text", SEED[:50], [T(SEED[:50])]),
+    Case("seed-oss", "parallel calls after content", "Both.\n" + SEED + "\n" + SEED.replace("Paris", "Rome"),
+         [T("Both."), C(0, "get_weather", PARIS), C(1, "get_weather", {"city": "Rome"})]),
     # MiniMax M2: invoke/parameter name attributes, interleaved thinking
     Case("minimax-m2", "thinking, content, parallel calls", "<think>Two.</think>\nOn it.\n" + MINIMAX,
          [R("Two."), T("On it."), C(0, "get_weather", PARIS), C(1, "get_weather", ROME)]),
@@ -143,6 +145,10 @@ CASES = [
     # MiniCPM 5: no wrapper, CDATA values
     Case("minicpm", "parallel calls, CDATA value taken exactly", "Sure. " + MINICPM,
          [T("Sure."), C(0, "get_weather", PARIS), C(1, "get_weather", {"city": 'Rome <old town> & "more"\n', "days": 3})]),
+    Case("minicpm", "thinking then a call", '<think>Plan.</think><function name="get_time"></function>',
+         [R("Plan."), C(0, "get_time", {})]),
+    Case("minicpm", "a function without param tags is text", '<function name="get_weather">city=Paris</function> ok',
+         [T('<function name="get_weather">city=Paris</function> ok')]),
     # Granite 3.x and Phi-4-mini: JSON lists behind a marker with no closer
     Case("granite", "a list of calls", '<|tool_call|>[{"arguments": {"city": "Paris"}, "name": "get_weather"}, '
          '{"name": "get_time", "arguments": {}}]', [C(0, "get_weather", PARIS), C(1, "get_time", {})]),
