@@ -298,10 +298,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def _family_json(family: Family) -> dict[str, Any]:
     return {"name": family.name, "description": family.description, "extends": family.extends,
             "detect": family.detect.model_dump(),
-            "tools": {"parser": family.tools.parser, "options": family.tools.options,
-                      "delivery": family.tools.delivery, "loose_calls": family.tools.loose_calls},
-            "reasoning": {"parser": family.reasoning.parser, "options": family.reasoning.options,
-                          "toggle": family.reasoning.toggle, "effort": family.reasoning.effort},
+            "tools": family.tools.model_dump(exclude={"prompt", "call_format"}),
+            "reasoning": family.reasoning.model_dump(),
             "stop_tokens": family.stop_tokens}
 
 
@@ -344,6 +342,7 @@ def cmd_families(args: argparse.Namespace) -> int:
               if tools.parser != "null" else f"    {'tools:':<15}none (null parser)")
         toggle = f", thinking toggle {reasoning.toggle}" if reasoning.toggle else ""
         effort = f", reasoning effort as {reasoning.effort}" if reasoning.effort else ""
+        effort += f", thinking budget as {reasoning.budget}" if reasoning.budget else ""
         print(f"    {'reasoning:':<15}{reasoning.parser} parser{_options(reasoning.options)}{toggle}{effort}"
               if reasoning.parser != "null" else f"    {'reasoning:':<15}none (null parser)")
         if family.stop_tokens:
