@@ -39,7 +39,7 @@ import random
 import shutil
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -47,11 +47,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo
+from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo, qwen3_next_fields
 
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
                "seed_oss", "qwen3_5", "gemma4", "phi3",
-               "deepseek_r1"]
+               "deepseek_r1", "qwen3_next"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -122,6 +122,7 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-minimax-m2": TinySpec(arch="minimax", intermediate_size=64),
     "tiny-seed-oss": TinySpec(arch="seed_oss", intermediate_size=64),
     "tiny-qwen3.5": TinySpec(arch="qwen3_5", intermediate_size=64),
+    "tiny-qwen3-next": TinySpec(arch="qwen3_next", intermediate_size=64),
     "tiny-gemma4": TinySpec(arch="gemma4", intermediate_size=64),
     "tiny-phi4-mini": TinySpec(arch="phi3", intermediate_size=64),
     # Embedding models (mlx-embeddings): an encoder with a WordPiece tokenizer, and a decoder-style one.
@@ -467,6 +468,10 @@ _ARCHS: dict[str, ArchInfo] = {
 }
 
 _ARCHS.update(FAMILY_ARCHS)
+# Qwen/Qwen3-Next: Qwen3's vocabulary and template (the Instruct model's is Qwen3's, thinking parts aside) on
+# the hybrid architecture.
+_ARCHS["qwen3_next"] = replace(_ARCHS["qwen3"], model_type="qwen3_next", architecture="Qwen3NextForCausalLM",
+                               module="qwen3_next", fields=qwen3_next_fields)
 
 # ---------------------------------------------------------------------------
 # Tokenizer
@@ -714,6 +719,11 @@ def _model_config(info: ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> d
         "flow_builder_version": BUILDER_VERSION,
     }
     return {**common, **arch_fields, **marker}
+
+
+def arch_info(arch: Arch) -> ArchInfo:
+    """What the real checkpoints of ``arch`` have: special tokens, stop tokens, chat template."""
+    return _ARCHS[arch]
 
 
 _MODULES: dict[str, str] = {"qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}

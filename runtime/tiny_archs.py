@@ -135,6 +135,30 @@ def _qwen3_5_fields(layers: int) -> dict[str, Any]:
     }
 
 
+def qwen3_next_fields(layers: int) -> dict[str, Any]:
+    """Qwen3-Next: gated-delta layers with full attention every second one, a mixture of experts with a shared one."""
+    return {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+    }
+
+
 def _gemma4_fields(layers: int) -> dict[str, Any]:
     # One sliding and one full attention layer, no per-layer inputs or shared KV (the small real models have them).
     return {

@@ -1,6 +1,6 @@
 """The 2026 families on tiny random-weight models of their own architectures, with their real chat templates:
-DeepSeek V3.1 and R1, Gemma 4, Kimi K2, MiniMax M2, Phi-4-mini, Qwen3.5 and
-Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
+DeepSeek V3.1 and R1, Gemma 4, Kimi K2, MiniMax M2, Phi-4-mini, Qwen3.5,
+Qwen3-Next (the qwen3 family) and Seed-OSS (gpt-oss has its own file, ``test_gpt_oss.py``).
 
 For each: detection (also of a renamed copy), the family's exact markup driven through the real tokenizer,
 parsers and formatters of all three protocols by ``generate.echo``, earlier calls and their results rendered
@@ -81,6 +81,11 @@ FAMILIES = [
            "The user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n<function=get_weather>\n"
            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", None,
            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+           "<tool_response>\nSunny\n</tool_response>"),
+    Family("tiny-qwen3-next", "qwen3",
+           '<think>The user wants the weather.</think>Let me check.\n<tool_call>\n{"name": "get_weather", '
+           '"arguments": {"city": "Paris"}}\n</tool_call>', None,
+           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
            "<tool_response>\nSunny\n</tool_response>"),
     Family("tiny-seed-oss", "seed-oss",
            "<seed:think>The user wants the weather.</seed:think>Let me check.\n<seed:tool_call>\n"

@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from runtime.tiny import PRESETS, build_tiny_model, ensure_tiny_model
+from runtime.tiny import PRESETS, arch_info, build_tiny_model, ensure_tiny_model
 from runtime.tiny_archs import FAMILY_ARCHS
 
-FAMILY_PRESETS = {name: spec.arch for name, spec in PRESETS.items() if spec.arch in FAMILY_ARCHS}
+FAMILY_PRESETS = {name: spec.arch for name, spec in PRESETS.items() if spec.arch in FAMILY_ARCHS or
+                  spec.arch == "qwen3_next"}
+ARCHS = {**FAMILY_ARCHS, "qwen3_next": arch_info("qwen3_next")}  # Qwen3's vocabulary on Qwen3-Next's architecture
 
 
 def test_every_family_architecture_has_a_preset() -> None:
-    assert set(FAMILY_PRESETS.values()) == set(FAMILY_ARCHS)
+    assert set(FAMILY_PRESETS.values()) == set(ARCHS)
 
 
 @pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-qwen3.5"])  # biases and sinks; gated-delta parameters
@@ -29,7 +31,7 @@ def test_deterministic_builds(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
 def test_config_and_special_tokens(name: str) -> None:
-    info = FAMILY_ARCHS[FAMILY_PRESETS[name]]
+    info = ARCHS[FAMILY_PRESETS[name]]
     path = ensure_tiny_model(name)
     config = json.loads((path / "config.json").read_text())
     assert config["model_type"] == info.model_type and config["architectures"] == [info.architecture]
