@@ -5,6 +5,7 @@ cases, written out here; every case is checked in every chunking (see ``test_par
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,14 @@ import pytest
 
 from flow.families import builtin_families
 from protocols.ir import TextDelta, ToolCallDelta
-from protocols.parsers import Event, StreamParser, UnknownParserError, make_response_parser, make_tool_parser
+from protocols.parsers import (
+    Event,
+    StreamParser,
+    UnknownParserError,
+    coalesce,
+    make_response_parser,
+    make_tool_parser,
+)
 from tests.protocols.test_parsers import TOOLS, C, R, T, assert_chunking_invariant, counting_ids
 
 PARIS = {"city": "Paris"}
@@ -217,3 +225,49 @@ def test_parser_options_are_checked() -> None:
         make_tool_parser("sectioned_json", TOOLS, options={"sep": "x"})
     with pytest.raises(ValueError):
         make_tool_parser("xml_calls", TOOLS, options={"function": ["<f>"]})
+
+
+FUZZ_FAMILIES = ["gpt-oss", "deepseek-v3", "deepseek-r1", "kimi-k2", "qwen3.5", "seed-oss", "minimax-m2", "minicpm",
+                 "granite", "phi4-mini", "llama4", "gemma4"]
+FRAGMENTS = [
+    " ", "\n", "x", "<", "{", "}", "[", "]", '"', '{"city": "Paris"}', "{}", "get_weather", "<think>", "</think>",
+    # harmony
+    "<|start|>assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.get_weather",
+    " <|constrain|>json", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+    # sectioned
+    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>", "\n```json\n", "\n```",
+    "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
+    "functions.get_weather:0", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>",
+    # XML-ish
+    "<tool_call>", "</tool_call>", "<function=get_weather>", "<parameter=city>", "</parameter>", "</function>",
+    "<seed:tool_call>", "</seed:tool_call>", "<seed:think>", "</seed:think>", "<minimax:tool_call>",
+    "</minimax:tool_call>", '<invoke name="get_weather">', '<parameter name="city">', "</invoke>",
+    '<function name="get_weather">', '<param name="city">', "</param>", "<![CDATA[", "]]>",
+    # JSON behind markers, pythonic, gemma4
+    "<|tool_call|>", "functools[", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "get_weather(city='Paris')",
+    "<|python_start|>", "<|python_end|>", "<|tool_call>", "call:get_weather{city:<|\"|>Paris<|\"|>}", "<tool_call|>",
+    "<|channel>thought", "<channel|>",
+]
+
+
+@pytest.mark.parametrize("family", FUZZ_FAMILIES)
+def test_fuzz_every_chunking_agrees_and_plain_text_comes_back(family: str) -> None:
+    """Random runs of every format's markup: streaming in any split equals whole-text parsing, and output
+    that yields no calls and opens no reasoning comes back exactly (harmony's channel markup is its own format)."""
+    rng = random.Random(family)
+    for _ in range(12):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 10)))
+        for tools in (True, False):
+            def factory() -> StreamParser:
+                return family_parser(family, tools=tools)
+
+            whole = factory().parse(text)
+            opener = builtin_families()[family].reasoning.open_tag  # a tag the reasoning parser takes as its own
+            if family != "gpt-oss" and opener not in text and all(isinstance(e, TextDelta) for e in whole):
+                assert "".join(e.text for e in whole if isinstance(e, TextDelta)) == text
+            for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]:
+                parser = factory()
+                events: list[Event] = []
+                for chunk in chunks:
+                    events += parser.feed(chunk)
+                assert coalesce(events + parser.finish()) == whole, (text, chunks)
