@@ -302,6 +302,12 @@ def _tool_choice(choice: ToolChoiceIn | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
+def _effort(output_config: dict[str, Any] | None) -> str | None:
+    """``output_config.effort`` (low / medium / high), Anthropic's grading of how hard the model thinks."""
+    effort = (output_config or {}).get("effort")
+    return effort if isinstance(effort, str) else None
+
+
 def decode_messages_request(body: bytes, request_id: str, created: int, *, count_only: bool = False) -> ChatRequest:
     """Validate an Anthropic Messages body (or a count_tokens body) and map it to the IR."""
     parsed = parse_json_body(CountTokensBody if count_only else MessagesBody, body)
@@ -328,6 +334,8 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         parallel_tool_calls=not (parsed.tool_choice and parsed.tool_choice.disable_parallel_tool_use),
         response_format=decode_response_format((parsed.output_config or {}).get("format"), "output_config.format"),
         thinking=thinking,
+        reasoning_effort=_effort(parsed.output_config),
+        reasoning_budget=parsed.thinking.budget_tokens if parsed.thinking and parsed.thinking.type == "enabled" else None,
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,
@@ -344,8 +352,9 @@ def message_id(request: ChatRequest) -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``)."""
-    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``); an id the model wrote
+    itself (Kimi K2's ``functions.NAME:0``) is the one its template expects back, so it stays as it is."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
 
 
 def thinking_signature(text: str) -> str:

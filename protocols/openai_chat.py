@@ -247,6 +247,7 @@ def decode_chat_body(parsed: ChatCompletionBody, request_id: str, created: int) 
         response_format=decode_response_format(parsed.response_format, "response_format"),
         # reasoning_effort "none" switches thinking off; any other effort switches it on.
         thinking=None if parsed.reasoning_effort is None else parsed.reasoning_effort not in ("none", "minimal"),
+        reasoning_effort=parsed.reasoning_effort,
         chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),
         request_id=request_id,
         created=created,

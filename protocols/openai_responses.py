@@ -279,6 +279,7 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         parallel_tool_calls=parsed.parallel_tool_calls,
         response_format=response_format,
         thinking=None if effort is None else effort not in ("none", "minimal"),
+        reasoning_effort=effort,
         request_id=request_id,
         created=created,
         user=parsed.user,

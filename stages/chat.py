@@ -240,13 +240,14 @@ def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> S
         return None
     with_tools = bool(request.tools) and request.tool_choice != "none"
     reasoning_id = family.reasoning.parser
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(family.reasoning.options)
     if "starts_inside" in inspect.signature(REASONING_PARSERS[reasoning_id]).parameters:
         # Templates that open the thinking block themselves make the output start inside it.
         options["starts_inside"] = prompt_text.rstrip().endswith(family.reasoning.open_tag)
     return make_response_parser(tool_parser=family.tools.parser if with_tools else None,
                                 reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options,
-                                loose_tool_calls=with_tools and family.tools.loose_calls)
+                                loose_tool_calls=with_tools and family.tools.loose_calls,
+                                tool_options=family.tools.options)
 
 
 def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:

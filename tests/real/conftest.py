@@ -82,6 +82,7 @@ class RealServer:
     base_url: str
     model: str  # the id it serves the model under
     path: Path
+    log: Path  # the server's log
 
     @property
     def url(self) -> str:
@@ -99,4 +100,4 @@ def real_server(path: Path, data: Path, graph: str = "default") -> Iterator[Real
     env = {**os.environ, "FLOW_DATA_DIR": str(data)}
     with serve_process(command, log=data / "serve.log", env=env, seconds=300) as (_, base_url):
         models = httpx.get(base_url + "/v1/models", timeout=30).json()["data"]
-        yield RealServer(base_url, models[0]["id"], path)
+        yield RealServer(base_url, models[0]["id"], path, data / "serve.log")
