@@ -167,6 +167,7 @@ def _request(body: _GenerateFields, messages: tuple[Message, ...], request_id: s
         include_usage=True,
         response_format=_response_format(body.format),
         thinking=None if body.think is None else body.think is not False,
+        reasoning_effort=body.think if isinstance(body.think, str) else None,  # gpt-oss grades its reasoning
         max_context=options.num_ctx,
         request_id=request_id,
         created=created,
