@@ -288,6 +288,9 @@ class Engine:
         self.prefix_unsupported = windows if isinstance(windows, str) and prefix is not None else None
         self.windows = windows if not isinstance(windows, str) else ()
         self.prefix = prefix if self.prefix_unsupported is None else None
+        if self.prefix is not None and self.prefix.config.disk_kv_bits:
+            # Quantized blocks on disk and full ones never share keys (nor a restart with another setting).
+            namespace = hashlib.sha256(namespace + f"kv-q{self.prefix.config.disk_kv_bits}".encode()).digest()[:16]
         self.namespace = namespace
         self.adapters = AdapterSet(model)  # mounted LoRA adapters, applied per row
         self.stats = EngineStats()
