@@ -846,17 +846,8 @@ class Engine:
                 if seq.generated >= seq.max_tokens:
                     finish = "length"
             out.append((seq, TokenChunk(tokens, finish, lps)))
-            if finish is None:
-                keep.append(i)
-            else:
-                self.stats.finished += 1
-                self._finish_times.append(now)
-                finished_rows.append(i)
-        if self.prefix is not None:
-            for i in finished_rows:
-                seq = batch.seqs[i]
-                if seq.policy.mode == "full":
-                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
+            (keep if finish is None else finished_rows).append(i)
+        self._retire(batch, finished_rows, now)
         batch.inputs = sample.tokens
         batch.report = (list(batch.seqs), sample.report) if sample.report else None
         batch.keep(keep)
@@ -871,6 +862,17 @@ class Engine:
         self._deliver(out)
         out.clear()
         return launch
+
+    def _retire(self, batch: _DecodeBatch, finished_rows: list[int], now: float) -> None:
+        """Count the rows that finished this step; with ``cache_mode = "full"``, give the prefix cache their
+        prompt and answer, read from their batch rows before the rows are dropped."""
+        self.stats.finished += len(finished_rows)
+        self._finish_times.extend([now] * len(finished_rows))
+        if self.prefix is not None:
+            for i in finished_rows:
+                seq = batch.seqs[i]
+                if seq.policy.mode == "full":
+                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
 
     # ------------------------------------------------------------------ speculative decoding
     def _drafts(self, inputs: mx.array) -> tuple[list[int], list[list[int]]] | None:
@@ -960,18 +962,9 @@ class Engine:
             emitted += len(tokens)
             if tokens or finish is not None:
                 out.append((seq, TokenChunk(tuple(tokens), finish)))
-            if finish is None:
-                keep.append(i)
-            else:
-                self.stats.finished += 1
-                self._finish_times.append(now)
-                finished_rows.append(i)
+            (keep if finish is None else finished_rows).append(i)
         _trim_rows(batch.cache, trims)
-        if self.prefix is not None:
-            for i in finished_rows:
-                seq = batch.seqs[i]
-                if seq.policy.mode == "full":
-                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
+        self._retire(batch, finished_rows, now)
         batch.inputs = mx.array(next_inputs, dtype=mx.uint32)
         batch.report = None
         batch.keep(keep)

@@ -87,6 +87,16 @@ async def test_greedy_output_is_identical_with_lookup_drafts(device: DeviceThrea
         on.engine.close()
 
 
+@pytest.fixture
+def always_verify(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step with drafts verifies them, whatever the measured cost says (it depends on this machine's load):
+    the tests that check what verification does must see it happen."""
+    import runtime.engine
+
+    monkeypatch.setattr(runtime.engine, "worth_verifying",
+                        lambda drafts, states, cost: max(len(d) for d in drafts))
+
+
 def oracle(futures: dict[int, list[int]], wrong_after: int | None = None) -> Any:
     """A stand-in for the n-gram lookup that proposes each row's true greedy continuation (its future known from
     a run without speculation, keyed by prompt length), or that continuation with a wrong token after
@@ -102,7 +112,8 @@ def oracle(futures: dict[int, list[int]], wrong_after: int | None = None) -> Any
     return propose
 
 
-async def test_stops_and_limits_inside_accepted_drafts(device: DeviceThread, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_stops_and_limits_inside_accepted_drafts(device: DeviceThread, monkeypatch: pytest.MonkeyPatch,
+                                                      always_verify: None) -> None:
     off, on = pair(device, "tiny-llama")
     try:
         full, _ = await tokens(off.engine, REPEATING, max_tokens=60)
@@ -119,7 +130,8 @@ async def test_stops_and_limits_inside_accepted_drafts(device: DeviceThread, mon
 
 
 async def test_rows_rejecting_at_different_places_share_the_batch(device: DeviceThread,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  always_verify: None) -> None:
     off, on = pair(device, "tiny-qwen3")
     try:
         prompts = [REPEATING[:k] for k in (50, 70, 90, 110)]
@@ -145,7 +157,8 @@ async def test_sliding_window_models_decode_without_drafts(device: DeviceThread)
 
 
 async def test_cancelling_a_speculating_row_frees_its_kv(device: DeviceThread,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         always_verify: None) -> None:
     off, on = pair(device, "tiny-llama")
     try:
         future, _ = await tokens(off.engine, REPEATING, max_tokens=60)
@@ -168,7 +181,8 @@ async def test_cancelling_a_speculating_row_frees_its_kv(device: DeviceThread,
 
 
 async def test_sampled_rows_give_what_the_seed_gives_without_speculation(device: DeviceThread,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                  always_verify: None) -> None:
     off, on = pair(device, "tiny-llama")
     try:
         sampled = SamplingParams(temperature=0.02, seed=4)  # sharp: the greedy future is often what it draws
@@ -231,3 +245,22 @@ def test_the_graph_setting_reaches_the_engine(tmp_path: Path) -> None:
     tables["resources"]["model"]["speculative"] = {"kind": "ngram", "min_ngram": 5, "max_ngram": 3}
     with pytest.raises(Exception, match="min_ngram"):
         compile_tables(tables, "speculative (test)")
+
+
+def test_the_window_is_as_wide_as_the_measured_cost_pays_for() -> None:
+    from runtime.pass_cost import PassCost
+    from runtime.speculative import worth_verifying
+
+    config = SpeculativeConfig(kind="ngram", max_draft=8)
+    good, poor = DraftState(config), DraftState(config)
+    good.proposed, good.accepted = 100, 95
+    poor.proposed, poor.accepted = 100, 2
+    flat, steep = PassCost(weight=0.5), PassCost(weight=0.5)
+    for tokens in (1, 4, 9, 2):
+        flat.add(tokens, 0.010 + 0.0001 * tokens)  # a pass costs about the same whatever its tokens (a GPU)
+        steep.add(tokens, 0.001 + 0.010 * tokens)  # a pass costs its tokens (a CPU on a big model)
+    drafts = [[1] * 8, [2] * 8]
+    assert worth_verifying(drafts, [good, good], flat) == 8
+    assert worth_verifying(drafts, [poor, poor], steep) == 0  # rejected drafts are not worth the tokens
+    assert worth_verifying([[1] * 8], [good], None) == 8  # no measured cost (a GPU): the widest
+    assert worth_verifying([[], []], [good, good], flat) == 0
