@@ -415,11 +415,17 @@ class ModelSet:
                 code="model_not_found",
             )
         if found.kind is not None and found.kind != kind:
-            able = sorted(i for i, m in self._by_id.items() if m.kind in (kind, None))
+            able = self.able(kind)
             raise ApiError("invalid_request", f"The model {model_id!r} is {_article(found.kind)} {found.kind} model "
                            f"and cannot serve this {kind} request. Models that can: "
                            f"{', '.join(able) or '(none on this server)'}.", param="model", code="wrong_model_kind")
         return found
+
+
+    def able(self, kind: ModelKind, *, known: bool = False) -> list[str]:
+        """The ids of the models that are of ``kind`` (unless ``known``, also those whose kind is not known yet:
+        a lazy model from the hub)."""
+        return sorted(i for i, m in self._by_id.items() if m.kind == kind or (m.kind is None and not known))
 
 
 def is_pattern(alias: str) -> bool:

@@ -56,7 +56,6 @@ from protocols.sse import dumps, event_frame
 from protocols.validation import parse_json_body
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
-MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
 
 # --------------------------------------------------------------------------- request
 
@@ -186,10 +185,6 @@ class CountTokensBody(MessagesBody):
     max_tokens: int = Field(default=1, ge=1)
 
 
-def _media_marker(kind: str) -> str:
-    return MEDIA_MARKER.format(kind=kind)
-
-
 def _document(block: DocumentBlock, where: str) -> str:
     """A document block's text: ``text`` and ``content`` sources as they are, ``base64`` decoded (PDFs to text)."""
     source = block.source
@@ -220,7 +215,7 @@ def _text_of(blocks: str | list[Any] | None, where: str = "content") -> str:
         elif isinstance(block, DocumentBlock):
             parts.append(_document(block, f"{where}[{i}]"))
         elif isinstance(block, MediaBlock):
-            parts.append(_media_marker(block.type))
+            parts.append(documents.media_marker(block.type))
         elif isinstance(block, OtherBlock) and isinstance((block.model_extra or {}).get("text"), str):
             parts.append((block.model_extra or {})["text"])
     return "\n".join(parts)
@@ -252,7 +247,7 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
             elif isinstance(block, DocumentBlock):
                 texts.append(_document(block, f"messages[{m}].content[{b}]"))
             elif isinstance(block, MediaBlock):
-                texts.append(_media_marker(block.type))
+                texts.append(documents.media_marker(block.type))
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
             elif isinstance(block, ToolUseBlock):
@@ -275,7 +270,8 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
         if reasoning:
             extra.append(("reasoning_content", "\n".join(reasoning)))
         if texts or extra or msg.role == "assistant":
-            out.append(Message(msg.role, "".join(texts), extra=tuple(extra)))
+            images = sum(isinstance(block, MediaBlock) for block in msg.content)  # not those in tool results
+            out.append(Message(msg.role, "".join(texts), extra=tuple(extra), images=images))
     return out
 
 

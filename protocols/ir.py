@@ -116,6 +116,7 @@ class Message:
     content: str
     name: str | None = None
     extra: tuple[tuple[str, Any], ...] = ()
+    images: int = 0  # images the client attached to it (each a marker in ``content``: protocols.documents)
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}

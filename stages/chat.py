@@ -137,8 +137,20 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
                 f"{max_tokens} max_tokens at {per_token} bytes each), more than this model's budget of "
                 f"{budget / 2**20:.0f} MiB; shorten the messages or lower max_tokens.", param="max_tokens")
 
+    def _refuse_images(self, request: ChatRequest, resource: ModelResource) -> None:
+        """Images in the message a request asks about now need a model that reads them; earlier ones stay
+        markers (an agent whose history holds a screenshot goes on)."""
+        last = request.messages[-1] if request.messages else None
+        if last is None or last.role != "user" or not last.images or resource.kind == "vision":
+            return
+        readers = self.models.able("vision", known=True)
+        raise ApiError("invalid_request", f"The model {request.model!r} reads text only, and the last message "
+                       f"holds {last.images} image{'s' if last.images > 1 else ''}. Models on this server that read "
+                       f"images: {', '.join(readers) or '(none)'}.", param="messages", code="images_not_supported")
+
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
         resource = self.models.lookup(request.model)
+        self._refuse_images(request, resource)
         loaded = resource.require()
         tokenizer = loaded.tokenizer
         # Checked against the model before any templating or tokenizing (which cost many times the text).
