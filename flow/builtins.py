@@ -41,6 +41,7 @@ from stages.ollama import (
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
 from stages.openai_completions import OpenAICompletionsDecode, OpenAICompletionsFormat
 from stages.openai_responses import OpenAIResponsesDecode, OpenAIResponsesFormat, OpenAIResponsesRetrieve
+from viz.console import ConsoleGraph, ConsolePage
 
 STAGES = (
     OpenAIChatDecode, OpenAIChatFormat,
@@ -52,6 +53,7 @@ STAGES = (
     ModelsList, AdaptersManage,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
+    ConsolePage, ConsoleGraph,
 )
 RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)
 

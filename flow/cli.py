@@ -126,10 +126,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    from viz import render_dot, render_mermaid
+    from viz import render_dot, render_html, render_mermaid, render_svg_file
 
     graph = compile_file(resolve_graph_path(args.graph))
-    text = render_mermaid(graph) if args.format == "mermaid" else render_dot(graph)
+    renderers = {"mermaid": render_mermaid, "dot": render_dot, "svg": render_svg_file, "html": render_html}
+    text = renderers[args.format](graph)
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -410,9 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("graphs", nargs="+", help="graph files or bundled graph names (default, demo)")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("viz", help="draw a graph as mermaid or DOT")
+    p = sub.add_parser("viz", help="draw a graph as mermaid, DOT, SVG or a standalone HTML page")
     p.add_argument("graph", help="graph file or bundled graph name (default, demo)")
-    p.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
+    p.add_argument("--format", choices=["mermaid", "dot", "svg", "html"], default="mermaid",
+                   help="svg and html: the drawing the console (GET /) shows, without its live figures")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_viz)
 

@@ -35,7 +35,7 @@ import trio
 from flow.compiler import CompiledGraph, CompiledResource, Route
 from flow.resource import Links, Resource
 from flow.runner import RouteRunner
-from flow.stage import EdgeStats, ExitStage, Stage
+from flow.stage import EdgeStats, EntryStage, ExitStage, Stage, StageStats
 from runtime.device import DeviceThread
 
 log = logging.getLogger("flow.live")
@@ -115,6 +115,8 @@ class Generation:
         self.stages: dict[str, Stage[Any, Any]] = {
             sid: st.cls(sid, st.config, _links(st.refs, resources)) for sid, st in graph.stages.items()
         }
+        for stage in self.stages.values():
+            stage.bind_graph(graph)
         self.runners = {(r.method, r.path): RouteRunner(graph, r, self.stages) for r in graph.routes}
         self._table = RouteTable(graph.routes)
         self.active = 0  # requests running on it
@@ -125,6 +127,15 @@ class Generation:
         """The route for ``method path``; raises :class:`NoRoute` (with the methods the path has, if any)."""
         route, params = self._table.match(method, path)
         return RouteMatch(self.runners[(route.method, route.path)], params)
+
+    def is_public(self, method: str, path: str) -> bool:
+        """``method path`` is a route whose entry stage answers without the API key (see ``EntryStage.public``)."""
+        try:
+            route, _ = self._table.match(method, path)
+        except NoRoute:
+            return False
+        entry = self.stages[route.entry]
+        return isinstance(entry, EntryStage) and entry.public
 
     def exit_stage(self, stage_id: str) -> ExitStage[Any, Any]:
         stage = self.stages[stage_id]
@@ -138,7 +149,7 @@ class Generation:
             best: tuple[int, Route] | None = None
             for route in self.graph.routes:
                 fixed = route.path.split("{", 1)[0].rstrip("/")
-                if candidate == fixed or candidate.startswith(fixed + "/"):
+                if candidate == fixed or (fixed and candidate.startswith(fixed + "/")):  # "/" is itself only
                     if best is None or len(fixed) > best[0]:
                         best = (len(fixed), route)
             if best is not None:
@@ -157,6 +168,18 @@ class Generation:
                 acc.items += stats.items
                 acc.full += stats.full
                 acc.streams += stats.streams
+        return total
+
+    def stage_stats(self) -> dict[str, StageStats]:
+        """Per stage, summed over the routes that run it; ``queued``: items waiting in its inboxes now."""
+        total: dict[str, StageStats] = {}
+        for runner in self.runners.values():
+            for sid, stats in runner.stage_stats.items():
+                acc = total.setdefault(sid, StageStats())
+                acc.active += stats.active
+                acc.runs += stats.runs
+                acc.errors += stats.errors
+                acc.queued += runner.queued(sid)
         return total
 
     def info(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import trio
 from pydantic import BaseModel, ConfigDict
@@ -26,6 +26,9 @@ from flow.resource import Links, Reference
 from protocols.codec import Codec, error_response, error_stream_end
 from protocols.errors import ApiError
 from protocols.ir import ProtocolContext, WireFrame
+
+if TYPE_CHECKING:
+    from flow.compiler import CompiledGraph
 
 log = logging.getLogger("flow.stage")
 
@@ -46,6 +49,16 @@ class EdgeStats:
     items: int = 0  # items sent along the edge
     full: int = 0  # sends that found the consumer's inbox full: the consumer is the bottleneck
     streams: int = 0  # requests that used the edge
+
+
+@dataclass
+class StageStats:
+    """One stage's runs, summed over requests (``/stats``): what is running now, and what failed."""
+
+    active: int = 0  # requests whose task for this stage is running now
+    runs: int = 0
+    errors: int = 0  # runs that ended with an exception (a client's cancellation is not one)
+    queued: int = 0  # items waiting in the inboxes of the active runs (filled in when read)
 
 
 # The callbacks to run when the current request ends; set by the route runner, inherited by
@@ -122,6 +135,10 @@ class Stage(Generic[In, Out]):
         self.config = config
         self.links = links
 
+    def bind_graph(self, graph: CompiledGraph) -> None:
+        """Called once the graph this instance belongs to is live; for stages that describe the graph itself
+        (the console draws it)."""
+
     async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[Out]) -> None:
         raise NotImplementedError
 
@@ -129,9 +146,12 @@ class Stage(Generic[In, Out]):
 class EntryStage(Stage[In, Out]):
     """A stage fed by the HTTP shell; its graph table carries ``routes`` and ``exit``.
 
-    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`)."""
+    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`).
+    ``public``: its routes answer without the API key (a page that holds no server data, like the console's
+    shell: a browser opening it cannot send a key, so the page asks for one)."""
 
     context_type: ClassVar[type[ProtocolContext]] = ProtocolContext
+    public: ClassVar[bool] = False
 
 
 class ExitStage(Stage[In, Out]):
