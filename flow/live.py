@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 import trio
 
@@ -161,30 +161,32 @@ class Generation:
 
     def edge_stats(self) -> dict[tuple[str, str], EdgeStats]:
         """Per graph edge, summed over the routes that share it."""
-        total: dict[tuple[str, str], EdgeStats] = {}
-        for runner in self.runners.values():
-            for edge, stats in runner.edge_stats.items():
-                acc = total.setdefault(edge, EdgeStats())
-                acc.items += stats.items
-                acc.full += stats.full
-                acc.streams += stats.streams
-        return total
+        return _summed(EdgeStats, (runner.edge_stats for runner in self.runners.values()))
 
     def stage_stats(self) -> dict[str, StageStats]:
         """Per stage, summed over the routes that run it; ``queued``: items waiting in its inboxes now."""
-        total: dict[str, StageStats] = {}
-        for runner in self.runners.values():
-            for sid, stats in runner.stage_stats.items():
-                acc = total.setdefault(sid, StageStats())
-                acc.active += stats.active
-                acc.runs += stats.runs
-                acc.errors += stats.errors
-                acc.queued += runner.queued(sid)
-        return total
+        per_route = ({sid: replace(stats, queued=runner.queued(sid)) for sid, stats in runner.stage_stats.items()}
+                     for runner in self.runners.values())
+        return _summed(StageStats, per_route)
 
     def info(self) -> dict[str, Any]:
         return {"name": self.graph.name, "version": self.version,
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at))}
+
+
+Counters = TypeVar("Counters", EdgeStats, StageStats)
+Key = TypeVar("Key")
+
+
+def _summed(cls: type[Counters], parts: Iterable[Mapping[Key, Counters]]) -> dict[Key, Counters]:
+    """Counter dataclasses added field by field, per key."""
+    total: dict[Key, Counters] = {}
+    for part in parts:
+        for key, numbers in part.items():
+            acc = total.setdefault(key, cls())
+            for f in fields(cls):
+                setattr(acc, f.name, getattr(acc, f.name) + getattr(numbers, f.name))
+    return total
 
 
 def _links(refs: Mapping[str, tuple[str, ...]], resources: dict[str, Resource],

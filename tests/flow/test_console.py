@@ -13,16 +13,14 @@ import httpx
 import pytest
 
 from flow.compiler import compile_file, compile_tables
-from tests.harness import GRAPHS, RunningServer, running_server, tables_with_model
+from tests.harness import GRAPHS, RunningServer, graph_with_key, running_server, tables_with_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def keyed(tiny_qwen3: Path) -> Iterator[RunningServer]:
-    tables = tables_with_model(tiny_qwen3)
-    tables["server"] = {"api_key": "s3cret"}
-    with running_server(compile_tables(tables, "console-keyed")) as running:
+    with running_server(graph_with_key(tiny_qwen3, "s3cret", "console-keyed")) as running:
         yield running
 
 

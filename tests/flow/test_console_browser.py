@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
-from tests.harness import RunningServer, running_server, tables_with_model
+from tests.harness import RunningServer, graph_with_key, running_server
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
 CHROMIUM = os.environ.get("FLOW_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -57,9 +56,7 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def keyed(tiny_qwen3: Path) -> Iterator[RunningServer]:
-    tables = tables_with_model(tiny_qwen3)
-    tables["server"] = {"api_key": "s3cret"}
-    with running_server(compile_tables(tables, "console-browser-keyed")) as running:
+    with running_server(graph_with_key(tiny_qwen3, "s3cret", "console-browser-keyed")) as running:
         yield running
 
 
