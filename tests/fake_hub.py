@@ -1,0 +1,84 @@
+"""A local stand-in for the Hugging Face Hub: the three calls a download makes, on loopback.
+
+``GET /api/models/{repo}/revision/{rev}`` (the file list with sizes), ``HEAD`` and ``GET``
+``/{repo}/resolve/{commit}/{file}`` (metadata headers, then the bytes, with ``Range`` for a resumed
+file). ``huggingface_hub`` talks to it through ``HF_ENDPOINT``. Files are served from a directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _handler(repo: str, root: Path) -> type[BaseHTTPRequestHandler]:
+    files = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+        def _file(self) -> Path | None:
+            prefix = f"/{repo}/resolve/"
+            if not self.path.startswith(prefix):
+                return None
+            _, _, name = self.path[len(prefix):].partition("/")
+            return files.get(name)
+
+        def _head(self, path: Path, status: int = 200, length: int | None = None) -> None:
+            self.send_response(status)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", '"' + hashlib.sha1(path.read_bytes()).hexdigest() + '"')
+            self.send_header("Content-Length", str(path.stat().st_size if length is None else length))
+            self.end_headers()
+
+        def do_HEAD(self) -> None:
+            path = self._file()
+            if path is None:
+                self.send_error(404)
+                return
+            self._head(path)
+
+        def do_GET(self) -> None:
+            if self.path.startswith(f"/api/models/{repo}/revision/"):
+                body = json.dumps({"id": repo, "modelId": repo, "sha": COMMIT, "siblings": [
+                    {"rfilename": name, "size": p.stat().st_size} for name, p in files.items()]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            path = self._file()
+            if path is None:
+                self.send_error(404)
+                return
+            data = path.read_bytes()
+            start = 0
+            if self.headers.get("Range", "").startswith("bytes="):
+                start = int(self.headers["Range"][6:].split("-", 1)[0])
+            self._head(path, 206 if start else 200, len(data) - start)
+            self.wfile.write(data[start:])
+
+    return Hub
+
+
+@contextmanager
+def fake_hub(repo: str, root: Path) -> Iterator[str]:
+    """Serve ``root``'s files as the repository ``repo``; yields the endpoint URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(repo, root))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
