@@ -229,6 +229,7 @@ class DownloadsResource(Resource):
     def __init__(self, resource_id: str, config: ResourceConfig, links: Links) -> None:
         super().__init__(resource_id, config, links)
         self.downloads: list[Download] = []
+        self.completed = 0  # downloads finished well: the library rescans when this changes
         self._send, self._receive = trio.open_memory_channel[Download](64)
 
     async def start(self, device: DeviceThread) -> None:
@@ -238,10 +239,9 @@ class DownloadsResource(Resource):
         async for download in self._receive:
             try:
                 await trio.to_thread.run_sync(pull, download, Progress(download), abandon_on_cancel=True)
-            except Offline:
-                pass
             except Exception:  # recorded on the download (state failed, error); the duty goes on
-                pass
+                continue
+            self.completed += 1
 
     def queue(self, repo: str, revision: str) -> Download:
         active = next((d for d in self.downloads if d.repo == repo and d.state in ("queued", "running")), None)

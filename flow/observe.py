@@ -146,7 +146,9 @@ class Observer:
         out: dict[str, Any] = {"id": model.name, "resource": model.id, "aliases": model.config.aliases,
                                "ready": model.ready,
                                "state": model.state, "kind": model.kind, "family": model.family.name,
-                               "loads": model.loads}
+                               "loads": model.loads, "pinned": model.config.pin}
+        if model.ready and model.last_used:
+            out["idle_seconds"] = round(time.monotonic() - model.last_used, 1)
         if model.embedding is not None:
             out.update(smoke_test=model.embedding.smoke_test, dimensions=model.embedding.dims,
                        max_input_tokens=model.embedding.max_length, profile=model.embedding.profile.as_json(),

@@ -40,6 +40,8 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-
 
 class LibraryConfig(StageConfig):
     models: list[str] = Field(default_factory=list, description="served model resources marked as serving")
+    downloads: str | None = Field(default=None, description="the downloads resource whose finished downloads "
+                                                            "refresh the list at once (default: the graph's one)")
     cache_seconds: float = Field(default=30.0, ge=0, description="how long a scan of the local models is reused")
 
 
@@ -49,14 +51,16 @@ class _LocalModels:
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self._at = -float("inf")
+        self._version = 0
         self._entries: list[tuple[LocalModel, Fit | None]] = []
         self._lock = trio.Lock()
 
-    async def get(self) -> list[tuple[LocalModel, Fit | None]]:
+    async def get(self, version: int = 0) -> list[tuple[LocalModel, Fit | None]]:
+        """The scan, again if older than ``seconds`` or ``version`` changed (a download finished)."""
         async with self._lock:  # concurrent requests share one scan
-            if time.monotonic() - self._at > self.seconds:
+            if time.monotonic() - self._at > self.seconds or version != self._version:
                 self._entries = await trio.to_thread.run_sync(self._scan)
-                self._at = time.monotonic()
+                self._at, self._version = time.monotonic(), version
             return self._entries
 
     @staticmethod
@@ -91,16 +95,18 @@ class LibraryList(_ServedModelsEndpoint):
     type_name: ClassVar[str] = "library.list"
     description = "every local model with kind, family, size, quantization, served now, and its fit (cached)"
     Config = LibraryConfig
+    references = {**MODEL_REFERENCES, "downloads": Reference("downloads", required=False)}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         config = self.config
         assert isinstance(config, LibraryConfig)
         self.local = _LocalModels(config.cache_seconds)
+        self.downloads = self.links.optional("downloads", DownloadsResource)
 
     async def answer(self, http: HttpRequest) -> dict[str, Any]:
         data = []
-        for model, fit in await self.local.get():
+        for model, fit in await self.local.get(self.downloads.completed if self.downloads is not None else 0):
             data.append({
                 "repo_id": model.id, "source": model.source, "kind": model.kind, "family": model.family,
                 "size_bytes": model.size_bytes, "quant_bits": model.quantization_bits,

@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -82,3 +84,14 @@ def fake_hub(repo: str, root: Path) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def hub_switched_on(monkeypatch: pytest.MonkeyPatch, repo: str, root: Path, cache: Path) -> Iterator[Path]:
+    """A stand-in hub serving ``root`` as ``repo``, the hub cache at ``cache`` (empty), the hub switched on
+    (the tests run offline by default)."""
+    with fake_hub(repo, root) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        yield cache

@@ -54,6 +54,8 @@ class ConsolePageConfig(StageConfig):
     stats_path: str = Field(default="/stats", description="the server's /stats (the live figures)")
     chat_path: str = Field(default="/v1/chat/completions", description="the playground's chat route (OpenAI)")
     models_path: str = Field(default="/v1/models", description="the model list the playground offers")
+    library_path: str = Field(default="/library", description="the model library with fit (panel hidden if absent)")
+    downloads_path: str = Field(default="/downloads", description="downloads: the library's pull button")
     poll_seconds: float = Field(default=1.0, ge=0.2, le=60, description="how often the page reads /stats")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.fake_hub import hub_switched_on
 from tests.harness import RunningServer, graph_with_key, running_server
 
 playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
@@ -178,3 +179,27 @@ def test_with_a_key_the_page_asks_for_it_and_keeps_it_for_the_session(browser: A
         assert all("401" in error for error in page.errors), page.errors
     finally:
         page.page.close()
+
+
+def test_the_library_pulls_a_model_with_live_progress(console: Page, tiny_qwen3: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch, shots: Path) -> None:
+    repo = "acme/console-pull"
+    console.page.wait_for_selector("#library tbody tr", timeout=WAIT_MS)
+    assert "hub offline" in console.text("#library-note") and console.page.locator("#pull-button").is_disabled()
+    with hub_switched_on(monkeypatch, repo, tiny_qwen3, tmp_path / "hub-cache"):
+        console.page.reload()
+        console.page.wait_for_function("() => !document.getElementById('pull-button').disabled", timeout=WAIT_MS)
+        console.page.fill("#pull-repo", repo)
+        console.page.click("#pull-button")
+        console.page.wait_for_selector(f"#downloads tr:has-text('{repo}'):has-text('done')", timeout=WAIT_MS)
+        console.page.wait_for_selector(f"#library tr:has-text('{repo}') .badge.ok", timeout=WAIT_MS)
+        row = console.text(f"#library tr:has-text('{repo}')")
+        assert "text" in row and "qwen3" in row and "fits" in row
+        assert console.page.locator("#library .badge.serving").count() >= 1  # the model this server runs
+        console.page.fill("#pull-repo", "not a repo")
+        console.page.click("#pull-button")
+        console.page.wait_for_function("() => document.getElementById('pull-error').textContent.includes('owner/name')",
+                                       timeout=WAIT_MS)
+        console.shot(shots / "console-library.png")
+    # The refused pull logged its 400; nothing else went wrong.
+    assert all("400" in error for error in console.errors), console.errors

@@ -19,7 +19,7 @@ import pytest
 from flow.compiler import compile_tables
 from flow.downloads import Download, Progress, progress_line
 from flow.fit import Machine, assess, record_measured_decode_tps
-from tests.fake_hub import COMMIT, fake_hub
+from tests.fake_hub import COMMIT, hub_switched_on
 from tests.harness import RunningServer, running_server, tables_with_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +37,7 @@ def server(tiny_qwen3: Path) -> Iterator[RunningServer]:
 @pytest.fixture
 def hub(tiny_qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A stand-in hub serving the tiny model as REPO, an empty hub cache, and the hub switched on."""
-    cache = tmp_path / "hub-cache"
-    with fake_hub(REPO, tiny_qwen3) as endpoint:
-        monkeypatch.setenv("HF_ENDPOINT", endpoint)
-        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with hub_switched_on(monkeypatch, REPO, tiny_qwen3, tmp_path / "hub-cache") as cache:
         yield cache
 
 

@@ -156,10 +156,11 @@ function paintModels(stats) {
   const rows = Object.values(stats.models || {}).map((m) => {
     const tr = document.createElement("tr");
     const e = m.engine || {};
-    tr.append(cell(m.id), cell(m.state + (m.ready ? "" : " (not ready)")), cell(m.kind),
+    tr.append(cell(m.id + (m.pinned ? " (pinned)" : "")), cell(m.state), cell(m.kind),
       cell(m.engine ? e.active + (e.waiting ? " +" + e.waiting : "") : null, "num"),
       cell(m.engine ? fmtRate(e.recent_decode_tokens_per_second || 0) : null, "num"),
-      cell(m.context_length || m.max_input_tokens, "num"), cell(m.loads, "num"));
+      cell(m.context_length || m.max_input_tokens, "num"),
+      cell(m.idle_seconds === undefined ? null : Math.round(m.idle_seconds) + " s", "num"), cell(m.loads, "num"));
     return tr;
   });
   fillRows($("models").tBodies[0], rows);
@@ -169,8 +170,12 @@ function paintModels(stats) {
     " · evictions " + p.evictions + " · idle unloads " + p.idle_unloads).join("\n");
 }
 
+// The page's own reads are left out of the list: they would crowd out the requests worth seeing.
+const OWN_ROUTES = new Set(["GET /", "GET " + CONFIG.graph_path, "GET " + CONFIG.library_path,
+  "GET " + CONFIG.downloads_path, "GET " + CONFIG.models_path]);
+
 function paintRecent(stats) {
-  const rows = (stats.recent_requests || []).map((r) => {
+  const rows = (stats.recent_requests || []).filter((r) => !OWN_ROUTES.has(r.route)).map((r) => {
     const tr = document.createElement("tr");
     if (r.running) tr.className = "running";
     else if (r.status >= 400) tr.className = "failed";
@@ -182,7 +187,77 @@ function paintRecent(stats) {
   fillRows($("recent").tBodies[0], rows);
 }
 
+// ------------------------------------------------------------------ the library, downloads
+function badge(text, cls) {
+  const span = document.createElement("span");
+  span.className = "badge " + (cls || "");
+  span.textContent = text;
+  return span;
+}
+
+async function loadLibrary() {
+  const response = await call(CONFIG.library_path);
+  if (response.status === 404) { $("library-panel").hidden = true; return; }
+  if (!response.ok) return;
+  const body = await response.json();
+  $("library-note").textContent = "(" + body.data.length + " local models" + (body.offline ? " · hub offline" : "") + ")";
+  $("pull-button").disabled = !!body.offline;
+  $("pull-repo").disabled = !!body.offline;
+  fillRows($("library").tBodies[0], body.data.map((m) => {
+    const tr = document.createElement("tr");
+    const a = m.assessment;
+    const fit = document.createElement("td");
+    fit.append(a ? badge(a.fits ? "fits" : "does not fit", a.fits ? "ok" : "no") : badge(m.supported ? "–" : "unsupported"));
+    const serving = document.createElement("td");
+    if (m.serving) serving.append(badge("serving", "serving"));
+    tr.append(cell(m.repo_id), cell(m.kind + (m.vision ? " · vision" : "") + (m.audio ? " · audio" : "")),
+      cell(m.family), cell(fmtBytes(m.size_bytes), "num"), cell(m.quant_bits ? m.quant_bits + "-bit" : "–"), fit,
+      cell(a ? a.max_safe_context : null, "num"), cell(a ? fmtRate(a.predicted_decode_tps) : null, "num"), serving);
+    return tr;
+  }));
+}
+
+let downloadsActive = false;
+
+async function loadDownloads() {
+  const response = await call(CONFIG.downloads_path);
+  if (!response.ok) return;
+  const body = await response.json();
+  const wasActive = downloadsActive;
+  downloadsActive = body.data.some((d) => d.state === "queued" || d.state === "running");
+  fillRows($("downloads").tBodies[0], body.data.slice(0, 5).map((d) => {
+    const tr = document.createElement("tr");
+    const bar = document.createElement("progress");
+    bar.max = d.total_bytes || 1;
+    bar.value = d.received_bytes;
+    const progress = document.createElement("td");
+    progress.append(bar);
+    tr.append(cell(d.repo), cell(d.state), progress,
+      cell(fmtBytes(d.received_bytes) + " / " + fmtBytes(d.total_bytes), "num"),
+      cell(d.files_done + "/" + d.files_total + " files", "num"),
+      cell(d.state === "running" ? fmtBytes(d.bytes_per_sec) + "/s" : (d.error || ""), d.error ? "error" : ""));
+    return tr;
+  }));
+  if (wasActive && !downloadsActive) loadLibrary();  // a finished download is in the library now
+}
+
+$("pull-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  $("pull-error").textContent = "";
+  const response = await call(CONFIG.downloads_path, {method: "POST", headers: {"content-type": "application/json"},
+    body: JSON.stringify({repo: $("pull-repo").value.trim()})});
+  if (!response.ok) {
+    const body = await response.json().catch(() => ({}));
+    $("pull-error").textContent = (body.error && body.error.message) || ("HTTP " + response.status);
+    return;
+  }
+  $("pull-repo").value = "";
+  loadDownloads();
+});
+
 // ------------------------------------------------------------------ polling /stats
+let polls = 0;
+
 async function poll() {
   const started = performance.now();
   try {
@@ -196,6 +271,8 @@ async function poll() {
     paintModels(stats);
     paintRecent(stats);
     previous = Object.assign(stats, {at: now});
+    polls++;
+    if (downloadsActive || polls % 10 === 0) loadDownloads();
     $("conn").textContent = "live";
     $("conn").className = "conn ok";
   } catch (err) {
@@ -296,4 +373,7 @@ $("chat-input").addEventListener("keydown", (event) => {
   await loadGraph();
   poll();
   loadModels();
+  loadLibrary();
+  loadDownloads();
+  setInterval(loadLibrary, 30000);  // the server rescans at most every 30 s
 })();
