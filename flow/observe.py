@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flow.metrics import Metric, Registry
@@ -32,12 +32,15 @@ class RecentRequest:
     status: int | None = None  # set with the response head
     ttfb_ms: float | None = None
     duration_ms: float | None = None  # set when the run ends
+    notes: dict[str, Any] = field(default_factory=dict)  # what its stages noted: model, prompt/completion tokens
 
     def json(self) -> dict[str, Any]:
         return {"id": self.id, "route": self.route,
                 "started": time.strftime("%H:%M:%S", time.localtime(self.started)),
                 "status": self.status, "ttfb_ms": self.ttfb_ms, "duration_ms": self.duration_ms,
-                "running": self.duration_ms is None}
+                "running": self.duration_ms is None, "model": self.notes.get("model"),
+                "prompt_tokens": self.notes.get("prompt_tokens"),
+                "completion_tokens": self.notes.get("completion_tokens")}
 
 
 class Observer:

@@ -49,7 +49,7 @@ from flow.live import Generation, LiveGraph, ReloadRefused, ReloadReport
 from flow.observe import Observer, RecentRequest
 from flow.resources import ModelResource
 from flow.runner import RouteRunner
-from flow.stage import ExitStage, Outbox
+from flow.stage import ExitStage, Outbox, request_notes
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
@@ -187,7 +187,7 @@ class FlowServer:
         try:
             with self.live.entered(gen):
                 async with send:
-                    with scope:
+                    with scope, request_notes(record.notes if record is not None else {}):
                         try:
                             await runner.run(http, outbox)
                         except BaseException as raw:

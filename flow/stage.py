@@ -66,6 +66,29 @@ class StageStats:
 _REQUEST_END: ContextVar[list[Callable[[], None]] | None] = ContextVar("flow_request_end", default=None)
 
 
+# What stages tell about the current request for the console's recent list (model, tokens); set per request
+# by the server, inherited by every stage task of the request.
+_REQUEST_NOTES: ContextVar[dict[str, Any] | None] = ContextVar("flow_request_notes", default=None)
+
+
+def note_request(**fields: Any) -> None:
+    """Record facts about the current request (``model=``, ``completion_tokens=``) for ``/stats``'s recent
+    requests; a no-op outside a request."""
+    notes = _REQUEST_NOTES.get()
+    if notes is not None:
+        notes.update(fields)
+
+
+@contextmanager
+def request_notes(notes: dict[str, Any]) -> Iterator[None]:
+    """The scope in which :func:`note_request` writes into ``notes``."""
+    token = _REQUEST_NOTES.set(notes)
+    try:
+        yield
+    finally:
+        _REQUEST_NOTES.reset(token)
+
+
 def on_request_end(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current request ends, however it ends: answered, failed, cancelled, or
     its client gone. For what a stage holds for the request's whole life (an agent's turn)."""

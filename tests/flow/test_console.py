@@ -63,6 +63,7 @@ def test_stats_carry_what_the_page_draws(qwen3_server: RunningServer) -> None:
     assert {200, 400} <= {r["status"] for r in chats}
     done = next(r for r in chats if r["status"] == 200)
     assert not done["running"] and done["duration_ms"] >= done["ttfb_ms"] > 0
+    assert done["model"] == "tiny" and done["prompt_tokens"] > 0 and 1 <= done["completion_tokens"] <= 3
 
 
 def test_with_a_key_the_page_opens_and_everything_it_reads_needs_the_key(keyed: RunningServer) -> None:

@@ -179,7 +179,10 @@ function paintRecent(stats) {
     const tr = document.createElement("tr");
     if (r.running) tr.className = "running";
     else if (r.status >= 400) tr.className = "failed";
-    tr.append(cell(r.started), cell(r.route), cell(r.running && r.status === null ? "…" : r.status),
+    const tokens = r.completion_tokens === null ? (r.prompt_tokens === null ? null : r.prompt_tokens + " →")
+      : r.prompt_tokens + " → " + r.completion_tokens;
+    tr.append(cell(r.started), cell(r.route), cell(r.model), cell(tokens, "num"),
+      cell(r.running && r.status === null ? "…" : r.status),
       cell(r.ttfb_ms === null ? null : r.ttfb_ms + " ms", "num"),
       cell(r.duration_ms === null ? "running" : r.duration_ms + " ms", "num"));
     return tr;
