@@ -4,18 +4,16 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from flow import cli
 from flow.compiler import compile_file, compile_tables
 from tests.harness import GRAPHS, RunningServer, graph_with_key, running_server, tables_with_model
-
-ROOT = Path(__file__).resolve().parents[2]
+from viz.svg import render_svg
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +92,11 @@ def test_a_graph_without_the_console_still_answers_root(tiny_qwen3: Path) -> Non
 
 
 def test_flow_viz_writes_the_same_drawing_as_svg_and_html(tmp_path: Path) -> None:
-    from viz.svg import render_svg
-
     expected = render_svg(compile_file(GRAPHS / "default.toml"))
     stages = sorted(set(re.findall(r'data-stage="([^"]+)"', expected)))
     for fmt in ("svg", "html"):
         out = tmp_path / f"graph.{fmt}"
-        subprocess.run([sys.executable, "-m", "flow.cli", "viz", "default", "--format", fmt, "-o", str(out)],
-                       cwd=ROOT, check=True, timeout=60)
+        assert cli.main(["viz", "default", "--format", fmt, "-o", str(out)]) == 0
         text = out.read_text()
         assert sorted(set(re.findall(r'data-stage="([^"]+)"', text))) == stages
         assert ".flow-graph" in text and "<script" not in text and "http://www.w3.org/2000/svg" in text

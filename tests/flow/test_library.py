@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +14,13 @@ from typing import Any
 import httpx
 import pytest
 
+from flow import cli
 from flow.compiler import compile_tables
 from flow.downloads import Download, Progress, progress_line
 from flow.fit import Machine, assess, record_measured_decode_tps
 from tests.fake_hub import COMMIT, hub_switched_on
 from tests.harness import RunningServer, running_server, tables_with_model
 
-ROOT = Path(__file__).resolve().parents[2]
 REPO = "acme/tiny-chat"
 
 
@@ -168,21 +166,18 @@ def test_progress_counts_bytes_files_rate_and_eta() -> None:
     assert failed.json()["state"] == "failed" and failed.json()["error"] == "HTTPError: 404"
 
 
-def _flow(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "flow.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
-
-
-def test_flow_fit_and_flow_pull_on_the_command_line(hub: Path, tiny_qwen3: Path) -> None:
-    fit = _flow("fit", str(tiny_qwen3), "--json")
-    assert fit.returncode == 0, fit.stderr
-    assert json.loads(fit.stdout)["fits"] is True
-    text = _flow("fit", str(tiny_qwen3)).stdout
-    assert "max safe context" in text and "predicted decode" in text
-    assert _flow("fit", "nobody/nothing").returncode == 1
-    pulled = _flow("pull", REPO)
-    assert pulled.returncode == 0, pulled.stderr
-    assert f"{REPO}: 7 files" in pulled.stdout or f"{REPO}:" in pulled.stdout
+def test_flow_fit_and_flow_pull_on_the_command_line(hub: Path, tiny_qwen3: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli.main(["fit", str(tiny_qwen3), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert cli.main(["fit", str(tiny_qwen3)]) == 0
+    text = capsys.readouterr().out
+    assert "max safe context" in text and "predicted decode" in text and "measured decode" in text
+    assert cli.main(["fit", "nobody/nothing"]) == 1  # never downloads: only what is here
+    assert "nobody/nothing" in capsys.readouterr().err
+    assert cli.main(["pull", REPO]) == 0
+    assert capsys.readouterr().out.startswith(f"{REPO}: 7 files, ")
     assert (hub / "models--acme--tiny-chat" / "snapshots" / COMMIT / "config.json").is_file()
-    offline = _flow("pull", REPO, env={"HF_HUB_OFFLINE": "1"})
-    assert offline.returncode == 1 and "offline" in offline.stderr
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["pull", REPO]) == 1
+    assert "offline" in capsys.readouterr().err
