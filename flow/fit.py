@@ -244,7 +244,7 @@ def text_report(fit: Fit) -> str:
         f"max safe context      {fit.max_safe_context:,} tokens (model's own: {fit.context_length:,})",
         f"predicted decode      {fit.predicted_decode_tps:g} tok/s ({fit.bandwidth_gbps:g} GB/s, "
         f"{fit.bandwidth_source})",
-        f"measured decode       " + (f"{fit.measured_decode_tps:g} tok/s (flow bench)"
+        "measured decode       " + (f"{fit.measured_decode_tps:g} tok/s (flow bench)"
                                      if fit.measured_decode_tps is not None else "none yet (run flow bench)"),
     ]
     return "\n".join(lines) + "\n"

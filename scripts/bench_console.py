@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flow.bench import report  # noqa: E402
+from tests.browser import chromium_path, headless_chromium  # noqa: E402
 from tests.harness import serve_process  # noqa: E402
 
 CONDITIONS = ("closed", "polling", "page")
@@ -98,25 +97,6 @@ def poller(base: str, seconds: float = 1.0) -> Iterator[None]:
         thread.join(30)
 
 
-@contextmanager
-def console_page(base: str, chromium: str) -> Iterator[Any]:
-    """The console open in headless Chromium for the whole run (its updates are what is measured)."""
-    from playwright.sync_api import sync_playwright
-
-    preload = os.environ.pop("LD_PRELOAD", None)  # OpenBLAS for MLX: not for the browser or its driver
-    try:
-        manager = sync_playwright().start()
-        browser = manager.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
-    finally:
-        if preload is not None:
-            os.environ["LD_PRELOAD"] = preload
-    try:
-        yield browser
-    finally:
-        browser.close()
-        manager.stop()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--model", default="tiny:bench-80m")
@@ -125,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the full result here")
     args = parser.parse_args(argv)
-    chromium = os.environ.get("FLOW_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    chromium = chromium_path()
     if chromium is None:
         print("bench_console: needs a system Chromium (apt-get install chromium)", file=sys.stderr)
         return 2
     detail: dict[str, list[float]] = {c: [] for c in CONDITIONS}
     log = Path(tempfile.mkdtemp(prefix="bench-console-")) / "serve.log"
     command = [sys.executable, "-m", "flow.cli", "serve", "default", "--model", args.model]
-    with serve_process(command, log=log, cwd=ROOT, seconds=600) as (_, base), console_page(base, chromium) as browser:
+    with serve_process(command, log=log, cwd=ROOT, seconds=600) as (_, base), headless_chromium(chromium) as browser:
         trio.run(load_round, base, args.streams, 8)  # warm-up: kernels compiled, weights touched
         for i in range(args.rounds):
             for condition in CONDITIONS:

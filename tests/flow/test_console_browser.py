@@ -7,8 +7,6 @@ Skipped, saying why, where Playwright or Chromium is missing (``.ci/run`` instal
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.browser import chromium_path, headless_chromium
 from tests.fake_hub import hub_switched_on
 from tests.harness import RunningServer, graph_with_key, running_server
 
-playwright_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
-CHROMIUM = os.environ.get("FLOW_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed")
+CHROMIUM = chromium_path()
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (apt-get install chromium)")
 
 WAIT_MS = 30_000
@@ -34,20 +33,9 @@ RUNS = "(stage) => Number((document.querySelector(`g[data-stage=\"${stage}\"] te
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    # The test process may preload OpenBLAS for MLX (flow.blas); the browser and Playwright's driver must
-    # not inherit it (node cannot start its threads with it).
-    preload = os.environ.pop("LD_PRELOAD", None)
-    try:
-        manager = playwright_api.sync_playwright().start()
-        chromium = manager.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-    finally:
-        if preload is not None:
-            os.environ["LD_PRELOAD"] = preload
-    try:
+    assert CHROMIUM is not None
+    with headless_chromium(CHROMIUM) as chromium:
         yield chromium
-    finally:
-        chromium.close()
-        manager.stop()
 
 
 @pytest.fixture(scope="module")
