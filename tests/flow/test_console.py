@@ -103,3 +103,16 @@ def test_flow_viz_writes_the_same_drawing_as_svg_and_html(tmp_path: Path) -> Non
     assert (tmp_path / "graph.html").read_text().startswith("<!doctype html>")
     svg = (tmp_path / "graph.svg").read_text()
     assert svg.startswith("<svg") and "<style>" in svg
+
+
+def test_after_a_reload_the_drawing_is_the_new_graph(tiny_qwen3: Path) -> None:
+    tables = tables_with_model(tiny_qwen3)
+    edited = tables_with_model(tiny_qwen3)
+    del edited["stages"]["rerank_in"], edited["stages"]["rerank"], edited["stages"]["rerank_out"]
+    with running_server(compile_tables(tables, "v1"), loader=lambda: compile_tables(edited, "v2")) as running:
+        before = httpx.get(running.base_url + "/console/graph.svg", timeout=10).text
+        assert 'data-stage="rerank"' in before
+        assert httpx.post(running.base_url + "/admin/reload", timeout=120).status_code == 200
+        after = httpx.get(running.base_url + "/console/graph.svg", timeout=10).text
+        assert 'data-stage="rerank"' not in after and 'data-stage="prepare"' in after
+        assert httpx.get(running.base_url + "/stats", timeout=10).json()["graph"]["version"] == 2
