@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_fit)
 
-    p = sub.add_parser("pull", help="download a model from the Hugging Face Hub into its cache (resumable)")
+    p = sub.add_parser("pull", help="download a model from the Hugging Face Hub into its cache (again: only the files it lacks)")
     p.add_argument("repo", help="repository id, owner/name")
     p.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
     p.set_defaults(func=cmd_pull)

@@ -6,8 +6,10 @@ A download is planned file by file: the repository's file list with sizes
 (``HfApi.model_info(files_metadata=True)``) at one commit, then each file
 through ``hf_hub_download`` into the ordinary hub cache, so what is pulled is
 found by ``flow models``, ``/library`` and ``--model REPO`` like anything
-``huggingface_hub`` fetched. A file already complete in the cache costs
-nothing; an interrupted one resumes from its ``.incomplete`` part.
+``huggingface_hub`` fetched. A pull resumes file by file: a file already
+complete in the cache costs nothing, so a pull run again after an
+interruption fetches only the files it lacks (``huggingface_hub`` 2.x starts
+an interrupted file again: it downloads each to a temporary file of its own).
 
 Progress is one :class:`Download` record, updated from the worker thread by
 :class:`Progress` (fed by the tqdm-shaped bar ``huggingface_hub`` drives) and

@@ -16,7 +16,7 @@ import pytest
 
 from flow import cli
 from flow.compiler import compile_tables
-from flow.downloads import Download, Progress, progress_line
+from flow.downloads import Download, Progress, progress_line, pull
 from flow.fit import Machine, assess, record_measured_decode_tps
 from tests.fake_hub import COMMIT, hub_switched_on
 from tests.harness import RunningServer, running_server, tables_with_model
@@ -103,6 +103,24 @@ def test_fit_of_the_served_model_uses_the_code_admission_uses(server: RunningSer
     assert fit[0]["fits"] is True and fit[0]["usable_bytes"] > 0
     missing = httpx.get(server.base_url + "/fit?model=nope/nothing", timeout=30)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_pull_again_fetches_only_the_files_it_lacks(tiny_qwen3: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    with hub_switched_on(monkeypatch, REPO, tiny_qwen3, tmp_path / "hub-cache", log):
+        first = Download(REPO)
+        snapshot = pull(first, Progress(first))
+        assert len(log) == first.files_total == 7
+        blob = (snapshot / "tokenizer.json").resolve()
+        (snapshot / "tokenizer.json").unlink()  # as if the first pull had stopped before this file
+        blob.unlink()
+        log.clear()
+        again = Download(REPO)
+        pull(again, Progress(again))
+    assert log == ["GET tokenizer.json from 0"]  # the files already complete did not travel again
+    assert again.state == "done" and again.received_bytes == again.total_bytes == first.total_bytes
+    assert again.files_done == 7 and (snapshot / "tokenizer.json").is_file()
 
 
 def _moe_model(path: Path) -> Path:
