@@ -152,6 +152,8 @@ class Observer:
                                "loads": model.loads, "pinned": model.config.pin}
         if model.ready and model.last_used:
             out["idle_seconds"] = round(time.monotonic() - model.last_used, 1)
+        elif model.state == "loading":  # mlx-lm reports no progress: the time the load has taken so far
+            out["loading_seconds"] = round(time.monotonic() - model.loading_since, 1)
         if model.embedding is not None:
             out.update(smoke_test=model.embedding.smoke_test, dimensions=model.embedding.dims,
                        max_input_tokens=model.embedding.max_length, profile=model.embedding.profile.as_json(),

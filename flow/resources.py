@@ -133,6 +133,7 @@ class ModelResource(Resource):
         self.name = config.name or resource_id
         self.source = config.path  # the source in use: path, or the fallback found (see resolve_source)
         self.path: Path | None = None  # its directory, once resolved (/library marks it as serving)
+        self.loading_since = 0.0  # when the current (or last) load began: /stats shows a load's time so far
         self.loaded: LoadedModel | None = None  # a text model's
         self.embedding: LoadedEmbedder | None = None  # an embedding model's
         self.family: Family = builtin_families()["default"]
@@ -191,6 +192,7 @@ class ModelResource(Resource):
             return
         assert self._device is not None, "the server starts resources before requests arrive"
         self._loading = trio.Event()
+        self.loading_since = time.monotonic()
         try:
             if self.pool is not None:
                 await self.pool.make_room(self)

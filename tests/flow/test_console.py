@@ -55,7 +55,9 @@ def test_stats_carry_what_the_page_draws(qwen3_server: RunningServer) -> None:
     assert prepare["runs"] >= 1 and prepare["active"] == 0 and prepare["queued"] == 0
     assert stats["stages"]["openai_chat"]["errors"] >= 1  # the malformed body failed in the decode stage
     assert stats["edges"]["generate -> process"]["queued"] == 0
-    assert stats["models"]["tiny"]["resource"] == "model"
+    model = stats["models"]["tiny"]
+    assert model["resource"] == "model" and model["pinned"] is False and model["idle_seconds"] >= 0
+    assert "loading_seconds" not in model  # only while a load is under way
     recent = stats["recent_requests"]
     chats = [r for r in recent if r["route"] == "POST /v1/chat/completions"]
     assert {200, 400} <= {r["status"] for r in chats}

@@ -156,7 +156,9 @@ function paintModels(stats) {
   const rows = Object.values(stats.models || {}).map((m) => {
     const tr = document.createElement("tr");
     const e = m.engine || {};
-    tr.append(cell(m.id + (m.pinned ? " (pinned)" : "")), cell(m.state), cell(m.kind),
+    const state = m.state === "loading" && m.loading_seconds !== undefined ?
+      "loading " + Math.round(m.loading_seconds) + " s" : m.state;
+    tr.append(cell(m.id + (m.pinned ? " (pinned)" : "")), cell(state), cell(m.kind),
       cell(m.engine ? e.active + (e.waiting ? " +" + e.waiting : "") : null, "num"),
       cell(m.engine ? fmtRate(e.recent_decode_tokens_per_second || 0) : null, "num"),
       cell(m.context_length || m.max_input_tokens, "num"),
