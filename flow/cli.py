@@ -347,10 +347,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def _family_json(family: Family) -> dict[str, Any]:
     return {"name": family.name, "description": family.description, "extends": family.extends,
             "detect": family.detect.model_dump(),
-            "tools": {"parser": family.tools.parser, "delivery": family.tools.delivery,
-                      "loose_calls": family.tools.loose_calls},
-            "reasoning": {"parser": family.reasoning.parser, "toggle": family.reasoning.toggle},
+            "tools": family.tools.model_dump(exclude={"prompt", "call_format"}),
+            "reasoning": family.reasoning.model_dump(),
             "stop_tokens": family.stop_tokens}
+
+
+def _options(options: Mapping[str, Any]) -> str:
+    return f" ({'; '.join(f'{k} = {v!r}' for k, v in options.items())})" if options else ""
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -374,16 +377,25 @@ def cmd_families(args: argparse.Namespace) -> int:
         for label, values in rules:
             if values:
                 print(f"    {label + ':':<15}{', '.join(values)}")
+        if d.template_contains:
+            print(f"    {'':<15}(a chat template without {'it' if len(d.template_contains) == 1 else 'them all'} "
+                  "rules this family out)")
+        if d.priority:
+            print(f"    {'priority:':<15}{d.priority} (breaks ties)")
         if not any(values for _, values in rules):
             how = "the fallback when nothing matches" if family.name == "default" else "only when named"
             print(f"    {'detected:':<15}never; {how}")
         tools, reasoning = family.tools, family.reasoning
         loose = "; calls without markup taken too" if tools.loose_calls else ""
-        print(f"    {'tools:':<15}{tools.parser} parser, delivered by {tools.delivery}{loose}"
+        print(f"    {'tools:':<15}{tools.parser} parser{_options(tools.options)}, delivered by {tools.delivery}{loose}"
               if tools.parser != "null" else f"    {'tools:':<15}none (null parser)")
         toggle = f", thinking toggle {reasoning.toggle}" if reasoning.toggle else ""
-        print(f"    {'reasoning:':<15}{reasoning.parser} parser{toggle}"
+        effort = f", reasoning effort as {reasoning.effort}" if reasoning.effort else ""
+        effort += f", thinking budget as {reasoning.budget}" if reasoning.budget else ""
+        print(f"    {'reasoning:':<15}{reasoning.parser} parser{_options(reasoning.options)}{toggle}{effort}"
               if reasoning.parser != "null" else f"    {'reasoning:':<15}none (null parser)")
+        if family.stop_tokens:
+            print(f"    {'stops:':<15}{', '.join(family.stop_tokens)}")
     print(f"\nfrom {', '.join(str(d) for d in family_dirs())} ($FLOW_FAMILY_PATH adds directories); "
           "`flow models` shows which family each local model gets.")
     return 0

@@ -115,6 +115,8 @@ class Observer:
         steps = Metric("flow_engine_steps_total", "Engine steps, by model.", "counter")
         finished = Metric("flow_engine_sequences_total", "Sequences that left the engine, by model and outcome.",
                           "counter")
+        drafted = Metric("flow_draft_tokens_total", "Speculative decoding: tokens proposed and accepted, by model.",
+                         "counter")
         for model in server.models:
             if model.loaded is None:
                 continue
@@ -127,6 +129,8 @@ class Observer:
             steps.set(stats.steps, model=model.name)
             for outcome in ("finished", "cancelled", "failed"):
                 finished.set(getattr(stats, outcome), model=model.name, outcome=outcome)
+            drafted.set(stats.draft_tokens, model=model.name, outcome="proposed")
+            drafted.set(stats.accepted_tokens, model=model.name, outcome="accepted")
         store_entries = Metric("flow_store_entries", "Entries in stores, by resource.", "gauge")
         store_bytes = Metric("flow_store_bytes", "Bytes held by stores, by resource.", "gauge")
         resources = server.live.gen.resources if server.live.current is not None else {}
@@ -141,7 +145,7 @@ class Observer:
             items.set(e.items, edge=f"{src}->{dst}")
             full.set(e.full, edge=f"{src}->{dst}")
         resource_metrics = [m for res in resources.values() for m in res.metrics()]
-        return [active, version, prompt, generated, running, steps, finished, store_entries, store_bytes, items,
+        return [active, version, prompt, generated, running, steps, finished, drafted, store_entries, store_bytes, items,
                 full, *resource_metrics]
 
     @staticmethod

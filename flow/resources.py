@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import trio
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flow.adapters import AdapterRegistry
 from flow.capabilities import CapabilityStore, family_from_capabilities
@@ -26,7 +26,7 @@ from flow.families import Family, builtin_families, resolve_family
 from flow.resource import Links, Reference, Resource, ResourceConfig
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
-from runtime.engine_config import EngineConfig, Strategy
+from runtime.engine_config import EngineConfig, SpeculativeConfig, Strategy
 from runtime.model_kinds import ModelKind, detect_kind_of
 from runtime.model_memory import default_kv_budget_bytes
 
@@ -48,6 +48,24 @@ class LoadGate(Protocol):
     async def make_room(self, incoming: ModelResource) -> None: ...
 
     def load_finished(self, model: ModelResource) -> None: ...
+
+
+class SpeculativeSettings(BaseModel):
+    """The ``speculative`` table of a model resource (see runtime.engine_config.SpeculativeConfig)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["off", "ngram"] = Field(default="off", description="off, or ngram: prompt-lookup drafts")
+    max_draft: int = Field(default=8, ge=1, le=64, description="tokens a row may propose per step")
+    min_ngram: int = Field(default=2, ge=1, le=16, description="shortest suffix looked up in the row's history")
+    max_ngram: int = Field(default=4, ge=1, le=16, description="longest suffix looked up (tried first)")
+    max_batch: int = Field(default=4, ge=1, description="steps with more rows than this decode without drafts")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculativeSettings:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) is above max_ngram ({self.max_ngram})")
+        return self
 
 
 class ModelConfig(ResourceConfig):
@@ -87,6 +105,9 @@ class ModelConfig(ResourceConfig):
                                           "to (default: from its config.json, model card or series)")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
+    speculative: SpeculativeSettings = Field(
+        default_factory=SpeculativeSettings, description="speculative decoding: kind (off | ngram), max_draft, "
+                                                         "min_ngram, max_ngram, max_batch; greedy output unchanged")
     adapters: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters mounted when the model loads: {id = directory} (mlx-lm or "
                                           "PEFT layout); clients add more with POST /v1/adapters")
@@ -221,8 +242,11 @@ class ModelResource(Resource):
                 f"{self.name} ({self.source}) is a {self.kind} model; this version of flow serves text "
                 "generation (mlx-lm) and embedding (mlx-embeddings) models. If the detection is wrong, set "
                 "kind = \"text\" or \"embeddings\" on its [resources.*] table.")
+        spec = self.config.speculative
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
-                                     strategy=self.config.strategy, max_queue=self.config.max_queue)
+                                     strategy=self.config.strategy, max_queue=self.config.max_queue,
+                                     speculative=SpeculativeConfig(spec.kind, spec.max_draft, spec.min_ngram,
+                                                                   spec.max_ngram, spec.max_batch))
         started = time.perf_counter()
         loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config, self.prefix_cache)
         try:
@@ -389,11 +413,17 @@ class ModelSet:
                 code="model_not_found",
             )
         if found.kind is not None and found.kind != kind:
-            able = sorted(i for i, m in self._by_id.items() if m.kind in (kind, None))
+            able = self.able(kind)
             raise ApiError("invalid_request", f"The model {model_id!r} is {_article(found.kind)} {found.kind} model "
                            f"and cannot serve this {kind} request. Models that can: "
                            f"{', '.join(able) or '(none on this server)'}.", param="model", code="wrong_model_kind")
         return found
+
+
+    def able(self, kind: ModelKind, *, known: bool = False) -> list[str]:
+        """The ids of the models that are of ``kind`` (unless ``known``, also those whose kind is not known yet:
+        a lazy model from the hub)."""
+        return sorted(i for i, m in self._by_id.items() if m.kind == kind or (m.kind is None and not known))
 
 
 def is_pattern(alias: str) -> bool:

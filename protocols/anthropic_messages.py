@@ -56,7 +56,6 @@ from protocols.sse import dumps, event_frame
 from protocols.validation import parse_json_body
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
-MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
 
 # --------------------------------------------------------------------------- request
 
@@ -186,10 +185,6 @@ class CountTokensBody(MessagesBody):
     max_tokens: int = Field(default=1, ge=1)
 
 
-def _media_marker(kind: str) -> str:
-    return MEDIA_MARKER.format(kind=kind)
-
-
 def _document(block: DocumentBlock, where: str) -> str:
     """A document block's text: ``text`` and ``content`` sources as they are, ``base64`` decoded (PDFs to text)."""
     source = block.source
@@ -220,7 +215,7 @@ def _text_of(blocks: str | list[Any] | None, where: str = "content") -> str:
         elif isinstance(block, DocumentBlock):
             parts.append(_document(block, f"{where}[{i}]"))
         elif isinstance(block, MediaBlock):
-            parts.append(_media_marker(block.type))
+            parts.append(documents.media_marker(block.type))
         elif isinstance(block, OtherBlock) and isinstance((block.model_extra or {}).get("text"), str):
             parts.append((block.model_extra or {})["text"])
     return "\n".join(parts)
@@ -252,7 +247,7 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
             elif isinstance(block, DocumentBlock):
                 texts.append(_document(block, f"messages[{m}].content[{b}]"))
             elif isinstance(block, MediaBlock):
-                texts.append(_media_marker(block.type))
+                texts.append(documents.media_marker(block.type))
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
             elif isinstance(block, ToolUseBlock):
@@ -275,7 +270,8 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
         if reasoning:
             extra.append(("reasoning_content", "\n".join(reasoning)))
         if texts or extra or msg.role == "assistant":
-            out.append(Message(msg.role, "".join(texts), extra=tuple(extra)))
+            images = sum(isinstance(block, MediaBlock) for block in msg.content)  # not those in tool results
+            out.append(Message(msg.role, "".join(texts), extra=tuple(extra), images=images))
     return out
 
 
@@ -300,6 +296,12 @@ def _tool_choice(choice: ToolChoiceIn | None) -> str | dict[str, Any] | None:
                            param="tool_choice.name")
         return {"name": choice.name}
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _effort(output_config: dict[str, Any] | None) -> str | None:
+    """``output_config.effort`` (low / medium / high), Anthropic's grading of how hard the model thinks."""
+    effort = (output_config or {}).get("effort")
+    return effort if isinstance(effort, str) else None
 
 
 def decode_messages_request(body: bytes, request_id: str, created: int, *, count_only: bool = False) -> ChatRequest:
@@ -328,6 +330,8 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         parallel_tool_calls=not (parsed.tool_choice and parsed.tool_choice.disable_parallel_tool_use),
         response_format=decode_response_format((parsed.output_config or {}).get("format"), "output_config.format"),
         thinking=thinking,
+        reasoning_effort=_effort(parsed.output_config),
+        reasoning_budget=parsed.thinking.budget_tokens if parsed.thinking and parsed.thinking.type == "enabled" else None,
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,
@@ -344,8 +348,9 @@ def message_id(request: ChatRequest) -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``)."""
-    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``); an id the model wrote
+    itself (Kimi K2's ``functions.NAME:0``) is the one its template expects back, so it stays as it is."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
 
 
 def thinking_signature(text: str) -> str:

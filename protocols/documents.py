@@ -28,6 +28,15 @@ _DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[\w-]+
 
 logging.getLogger("pypdf").setLevel(logging.ERROR)  # pypdf warns about every quirk of real-world files
 
+MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
+
+
+def media_marker(kind: str) -> str:
+    """What stands in a message's text for an image (or audio) the served model cannot read. Every protocol
+    writes the same marker; an image in the message a request asks about now is refused instead (chat.prepare,
+    naming the models that read images), one sent earlier in the conversation keeps the agent going."""
+    return MEDIA_MARKER.format(kind=kind)
+
 
 def render(text: str, title: str | None = None, context: str | None = None) -> str:
     """A document as the model sees it."""

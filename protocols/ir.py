@@ -116,6 +116,7 @@ class Message:
     content: str
     name: str | None = None
     extra: tuple[tuple[str, Any], ...] = ()
+    images: int = 0  # images the client attached to it (each a marker in ``content``: protocols.documents)
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -160,6 +161,8 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None  # None: free text
     thinking: bool | None = None  # None: the model's default
+    reasoning_effort: str | None = None  # low / medium / high as the client asked; None: not graded
+    reasoning_budget: int | None = None  # thinking tokens the client allows (Anthropic's budget_tokens)
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     # A raw prompt (legacy completions): used as is, no chat template. Text or token ids.
     prompt: str | tuple[int, ...] | None = None

@@ -40,6 +40,7 @@ from protocols.ir import (
     ToolCallDelta,
     Usage,
 )
+from protocols.documents import media_marker
 from protocols.validation import json_object_argument, parse_json_body
 
 NDJSON_HEADERS = (("content-type", "application/x-ndjson"),)
@@ -121,12 +122,6 @@ class OllamaContext(ProtocolContext):
     started_ns: int = field(default_factory=time.monotonic_ns)
 
 
-def _no_images(images: list[str] | None, where: str) -> None:
-    if images:
-        raise ApiError("invalid_request", f"'{where}' holds images; this server's text models read text only.",
-                       param=where)
-
-
 def _sampling(options: Options) -> SamplingParams:
     window = options.repeat_last_n if options.repeat_last_n not in (None, -1, 0) else DEFAULTS["repeat_last_n"]
     return SamplingParams(
@@ -167,6 +162,7 @@ def _request(body: _GenerateFields, messages: tuple[Message, ...], request_id: s
         include_usage=True,
         response_format=_response_format(body.format),
         thinking=None if body.think is None else body.think is not False,
+        reasoning_effort=body.think if isinstance(body.think, str) else None,  # gpt-oss grades its reasoning
         max_context=options.num_ctx,
         request_id=request_id,
         created=created,
@@ -177,7 +173,6 @@ def _request(body: _GenerateFields, messages: tuple[Message, ...], request_id: s
 
 def _message(msg: MessageIn, index: int) -> Message:
     where = f"messages[{index}]"
-    _no_images(msg.images, f"{where}.images")
     extra: list[tuple[str, Any]] = []
     if msg.tool_calls:
         extra.append(("tool_calls", [
@@ -187,7 +182,9 @@ def _message(msg: MessageIn, index: int) -> Message:
             }} for j, call in enumerate(msg.tool_calls)]))
     if msg.thinking:
         extra.append(("reasoning_content", msg.thinking))
-    return Message(role=msg.role, content=msg.content or "", name=msg.tool_name, extra=tuple(extra))
+    images = len(msg.images or ())
+    content = (msg.content or "") + "".join(media_marker("image") for _ in range(images))
+    return Message(role=msg.role, content=content, name=msg.tool_name, extra=tuple(extra), images=images)
 
 
 def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatRequest:
@@ -198,7 +195,6 @@ def decode_chat_request(body: bytes, request_id: str, created: int) -> ChatReque
 
 def decode_generate_request(body: bytes, request_id: str, created: int) -> ChatRequest:
     parsed = parse_json_body(GenerateBody, body)
-    _no_images(parsed.images, "images")
     if parsed.suffix:
         raise ApiError("invalid_request", "'suffix' (fill-in-the-middle) is not supported; send the prompt only.",
                        param="suffix")
@@ -206,9 +202,14 @@ def decode_generate_request(body: bytes, request_id: str, created: int) -> ChatR
         raise ApiError("invalid_request", "'template' (a Go prompt template) is not supported: prompts use the "
                        "model's own chat template, or none with \"raw\": true.", param="template")
     if parsed.raw:
+        if parsed.images:
+            raise ApiError("invalid_request", "'images' need the model's chat template; a raw prompt has none.",
+                           param="images")
         return _request(parsed, (), request_id, created, "generate", prompt=parsed.prompt)
     system = (Message("system", parsed.system),) if parsed.system else ()
-    return _request(parsed, (*system, Message("user", parsed.prompt)), request_id, created, "generate")
+    images = len(parsed.images or ())
+    user = Message("user", parsed.prompt + "".join(media_marker("image") for _ in range(images)), images=images)
+    return _request(parsed, (*system, user), request_id, created, "generate")
 
 
 def decode_embed_request(body: bytes, request_id: str) -> EmbeddingRequest:

@@ -181,12 +181,7 @@ def _content_text(content: str | list[Any] | None, where: str) -> str:
     texts = []
     for i, part in enumerate(content):
         if isinstance(part, ImagePart):
-            raise ApiError(
-                "invalid_request",
-                f"'{where}.content[{i}]' is an image; this server's text models accept only "
-                "'text' content parts.",
-                param=f"{where}.content[{i}]",
-            )
+            texts.append(documents.media_marker("image"))  # a text model refuses it in the last message
         elif isinstance(part, FilePart):
             texts.append(documents.attached_file(part.file.file_data, part.file.filename, f"{where}.content[{i}].file",
                                                  has_reference=part.file.file_id is not None))
@@ -218,8 +213,9 @@ def _message(msg: ChatMessageIn, index: int) -> Message:
         extra.append(("tool_call_id", msg.tool_call_id))
     if msg.reasoning_content:
         extra.append(("reasoning_content", msg.reasoning_content))
+    images = sum(isinstance(p, ImagePart) for p in msg.content) if isinstance(msg.content, list) else 0
     return Message(
-        role=role, content=_content_text(msg.content, where), name=msg.name, extra=tuple(extra)
+        role=role, content=_content_text(msg.content, where), name=msg.name, extra=tuple(extra), images=images
     )
 
 
@@ -247,6 +243,7 @@ def decode_chat_body(parsed: ChatCompletionBody, request_id: str, created: int) 
         response_format=decode_response_format(parsed.response_format, "response_format"),
         # reasoning_effort "none" switches thinking off; any other effort switches it on.
         thinking=None if parsed.reasoning_effort is None else parsed.reasoning_effort not in ("none", "minimal"),
+        reasoning_effort=parsed.reasoning_effort,
         chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),
         request_id=request_id,
         created=created,

@@ -52,7 +52,6 @@ from protocols.output_format import decode_response_format, encode_text_format
 from protocols.sse import event_frame
 from protocols.validation import json_object_argument, parse_json_body
 
-MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ def _parts_text(content: str | list[ContentPart] | None, where: str = "input") -
             texts.append(documents.attached_file(extra.get("file_data"), extra.get("filename"), f"{where}[{i}]",
                                                  has_reference=bool(extra.get("file_id") or extra.get("file_url"))))
         elif part.type in ("input_image", "input_audio"):
-            texts.append(MEDIA_MARKER.format(kind=part.type.removeprefix("input_")))
+            texts.append(documents.media_marker(part.type.removeprefix("input_")))
     return "".join(texts)
 
 
@@ -150,12 +149,12 @@ class _Conversation:
         self._reasoning: list[str] = []
         self._names: dict[str, str] = {}
 
-    def message(self, role: str, content: str) -> None:
+    def message(self, role: str, content: str, images: int = 0) -> None:
         extra: tuple[tuple[str, Any], ...] = ()
         if role == "assistant" and self._reasoning:
             extra = (("reasoning_content", "\n".join(self._reasoning)),)
             self._reasoning = []
-        self.messages.append(Message(role, content, extra=extra))  # type: ignore[arg-type]
+        self.messages.append(Message(role, content, extra=extra, images=images))  # type: ignore[arg-type]
 
     def call(self, call_id: str, name: str, arguments: dict[str, Any]) -> None:
         self._names[call_id] = name
@@ -189,7 +188,8 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
             if item.role is None:
                 raise ApiError("invalid_request", f"'{where}.role' is required for a message item.",
                                param=f"{where}.role")
-            conv.message(item.role, _parts_text(item.content, f"{where}.content"))
+            images = sum(p.type == "input_image" for p in item.content) if isinstance(item.content, list) else 0
+            conv.message(item.role, _parts_text(item.content, f"{where}.content"), images)
         elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
                 raise ApiError("invalid_request", f"'{where}' needs 'call_id' and 'name'.", param=where)
@@ -279,6 +279,7 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         parallel_tool_calls=parsed.parallel_tool_calls,
         response_format=response_format,
         thinking=None if effort is None else effort not in ("none", "minimal"),
+        reasoning_effort=effort,
         request_id=request_id,
         created=created,
         user=parsed.user,

@@ -115,6 +115,8 @@ from runtime.device import DeviceThread
 from runtime.constrained import Constraint
 from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
+from runtime.pass_cost import PassCost
+from runtime.speculative import DraftState, greedy_accepts, sampled_verify, worth_verifying
 from runtime.engine_config import EngineConfig, EngineOverloaded
 from runtime.model_memory import kv_bytes_per_token
 
@@ -169,6 +171,7 @@ class _Sequence:
     history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
     # More choices of the same request: they wait with this sequence, and join the batch with copies of its cache.
     followers: list[_Sequence] = field(default_factory=list)
+    draft: DraftState | None = None  # speculative decoding: its history and draft length (made on first use)
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -268,6 +271,9 @@ class EngineStats:
     kv_bytes: int = 0  # KV cache bytes held by all sequences after the last step
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    speculative_steps: int = 0  # decode steps that verified drafts
+    draft_tokens: int = 0  # tokens proposed by speculative decoding
+    accepted_tokens: int = 0  # of those, the ones the model accepted
 
 
 class Engine:
@@ -283,6 +289,9 @@ class Engine:
         self.prefix_unsupported = windows if isinstance(windows, str) and prefix is not None else None
         self.windows = windows if not isinstance(windows, str) else ()
         self.prefix = prefix if self.prefix_unsupported is None else None
+        if self.prefix is not None and self.prefix.config.disk_kv_bits:
+            # Quantized blocks on disk and full ones never share keys (nor a restart with another setting).
+            namespace = hashlib.sha256(namespace + f"kv-q{self.prefix.config.disk_kv_bits}".encode()).digest()[:16]
         self.namespace = namespace
         self.adapters = AdapterSet(model)  # mounted LoRA adapters, applied per row
         self.stats = EngineStats()
@@ -300,6 +309,8 @@ class Engine:
         # like mlx_lm.generate_step). On the CPU it computes most of the step before returning,
         # so read and hand out step n first, then launch n+1.
         self._launch_first = mx.default_device().type != mx.DeviceType.cpu
+        # Decode forward passes' seconds by the tokens they hold: whether verifying drafts pays (CPU).
+        self._step_cost = PassCost(weight=0.05)
         # Recent history for rates, TTFT and retry-after estimates (device thread writes).
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=64)
         self._ttfts: deque[float] = deque(maxlen=64)
@@ -767,11 +778,16 @@ class Engine:
         """One forward pass for every row; hand out the tokens sampled last step.
 
         On a GPU the pass is launched here; on the CPU it is returned, for :meth:`_launch` once the
-        step's other work is done (there ``async_eval`` computes it before returning)."""
+        step's other work is done (there ``async_eval`` computes it before returning). With speculative
+        decoding, a step whose rows have drafts verifies them instead (:meth:`_decode_speculative`)."""
         start = time.perf_counter()
         batch = self._batch
         inputs = batch.inputs
         assert inputs is not None
+        drafts = self._drafts(inputs)
+        if drafts is not None:
+            self._decode_speculative(out, drafts[0], drafts[1], start)
+            return []
         logits = self._forward(inputs[:, None], batch.cache, batch.seqs)[:, -1, :]
         contexts: list[mx.array | None] = []
         for i, seq in enumerate(batch.seqs):
@@ -831,17 +847,8 @@ class Engine:
                 if seq.generated >= seq.max_tokens:
                     finish = "length"
             out.append((seq, TokenChunk(tokens, finish, lps)))
-            if finish is None:
-                keep.append(i)
-            else:
-                self.stats.finished += 1
-                self._finish_times.append(now)
-                finished_rows.append(i)
-        if self.prefix is not None:
-            for i in finished_rows:
-                seq = batch.seqs[i]
-                if seq.policy.mode == "full":
-                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
+            (keep if finish is None else finished_rows).append(i)
+        self._retire(batch, finished_rows, now)
         batch.inputs = sample.tokens
         batch.report = (list(batch.seqs), sample.report) if sample.report else None
         batch.keep(keep)
@@ -857,12 +864,128 @@ class Engine:
         out.clear()
         return launch
 
+    def _retire(self, batch: _DecodeBatch, finished_rows: list[int], now: float) -> None:
+        """Count the rows that finished this step; with ``cache_mode = "full"``, give the prefix cache their
+        prompt and answer, read from their batch rows before the rows are dropped."""
+        self.stats.finished += len(finished_rows)
+        self._finish_times.extend([now] * len(finished_rows))
+        if self.prefix is not None:
+            for i in finished_rows:
+                seq = batch.seqs[i]
+                if seq.policy.mode == "full":
+                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _drafts(self, inputs: mx.array) -> tuple[list[int], list[list[int]]] | None:
+        """This step's inputs and each row's draft, when the step should verify drafts: speculation on, a
+        batch small enough, every row plain (no penalties, grammar or logprobs) and some row with a draft."""
+        spec = self.config.speculative
+        batch = self._batch
+        if spec.kind == "off" or len(batch) > spec.max_batch or batch.report is not None:
+            return None
+        if not all(s.sampler.plain for s in batch.seqs) or not all(type(c) is BatchKVCache for c in batch.cache):
+            return None
+        values: list[int] = inputs.tolist()  # type: ignore[assignment]
+        drafts = []
+        for seq, value in zip(batch.seqs, values):
+            state = seq.draft
+            if state is None:
+                state = seq.draft = DraftState(spec)
+                state.extend(seq.prompt)
+            known = state.count - len(seq.prompt)
+            if known < len(seq.fed):
+                state.extend(seq.fed[known:])
+            state.extend([value])  # the input: its KV is kept whatever the verification says
+            room = seq.max_tokens - seq.generated - (0 if seq.fresh else 1)
+            drafts.append(state.propose(max(0, room)))
+        width = worth_verifying(drafts, [s.draft for s in batch.seqs if s.draft is not None],
+                                None if self._launch_first else self._step_cost)
+        if width == 0:
+            for seq in batch.seqs:  # this step decodes as usual: its inputs join the histories then
+                assert seq.draft is not None
+                seq.draft.count -= 1
+            return None
+        return values, [d[:width] for d in drafts]
+
+    def _decode_speculative(self, out: list[tuple[_Sequence, TokenChunk | None]], values: list[int],
+                            drafts: list[list[int]], start: float) -> None:
+        """One forward pass over each row's input and draft; keep what the model accepts.
+
+        Each row keeps its input's KV and its accepted draft tokens' (the rest is trimmed from its cache row:
+        uniformly where rows agree, by rolling the remainder into left padding where they differ), hands out
+        its input (unless fresh) and accepted tokens, and takes the model's own next token as its next input."""
+        batch = self._batch
+        width = max(len(d) for d in drafts)
+        window = mx.array([[v, *d, *([v] * (width - len(d)))] for v, d in zip(values, drafts)], dtype=mx.uint32)
+        logits = self._forward(window, batch.cache, batch.seqs)
+        launched = time.perf_counter()
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]  # timed as a plain step's launch is, for the cost fit
+        self._step_cost.add(len(values) * (width + 1), time.perf_counter() - launched)
+        greedy = [s.sampler.greedy for s in batch.seqs]
+        targets: list[list[int]] = mx.argmax(logits, axis=-1).tolist() if any(greedy) else []  # type: ignore[assignment]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if not all(greedy) else logits
+        now = time.perf_counter()
+        keep: list[int] = []
+        finished_rows: list[int] = []
+        next_inputs: list[int] = []
+        trims: list[int] = []
+        emitted = 0
+        for i, seq in enumerate(batch.seqs):
+            draft = drafts[i]
+            if greedy[i]:
+                accepted = greedy_accepts(targets[i], draft)
+                following = targets[i][accepted]
+            else:
+                accepted, following = sampled_verify(seq.sampler, logprobs[i, : len(draft) + 1], draft)
+            assert seq.draft is not None
+            seq.draft.extend(draft[:accepted])
+            seq.draft.record(len(draft), accepted)
+            self.stats.draft_tokens += len(draft)
+            self.stats.accepted_tokens += accepted
+            seq.fed.extend([values[i], *draft[:accepted]])
+            trims.append(width - accepted)
+            next_inputs.append(following)
+            handed = draft[:accepted] if seq.fresh else [values[i], *draft[:accepted]]
+            seq.fresh = False
+            tokens: list[int] = []
+            finish: FinishReason | None = None
+            for token in handed:
+                if token in seq.stop_ids:
+                    finish = "stop"
+                    break
+                if seq.generated == 0:
+                    self._ttfts.append(now - seq.submitted_at)
+                tokens.append(token)
+                seq.generated += 1
+                if seq.generated >= seq.max_tokens:
+                    finish = "length"
+                    break
+            emitted += len(tokens)
+            if tokens or finish is not None:
+                out.append((seq, TokenChunk(tuple(tokens), finish)))
+            (keep if finish is None else finished_rows).append(i)
+        _trim_rows(batch.cache, trims)
+        self._retire(batch, finished_rows, now)
+        batch.inputs = mx.array(next_inputs, dtype=mx.uint32)
+        batch.report = None
+        batch.keep(keep)
+        self.stats.generated_tokens += emitted
+        self.stats.decode_steps += 1
+        self.stats.speculative_steps += 1
+        self.stats.decode_seconds += time.perf_counter() - start
+        if not self._launch_first:
+            self._update_gauges()
+            self._deliver(out)
+            out.clear()
+
     def _launch(self, launch: list[mx.array]) -> None:
         """Compute a decode pass :meth:`_decode` left to launch (CPU), counted as decode time."""
         if launch:
             start = time.perf_counter()
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
-            self.stats.decode_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats.decode_seconds += seconds
+            self._step_cost.add(int(launch[0].shape[0]), seconds)
 
     @staticmethod
     def _read_report(batch: _DecodeBatch, values: list[int]) -> dict[_Sequence, TokenLogprob]:
@@ -1015,6 +1138,20 @@ def _own_slicer(cache: list[Any]) -> Slicer:
 def _row_slicer(cache: list[Any], row: int) -> Slicer:
     """Positions of one row of a left-padded batch cache (BatchKVCache or BatchRotatingKVCache per layer)."""
     return _slicer(cache, row)
+
+
+def _trim_rows(cache: list[Any], trims: list[int]) -> None:
+    """Drop each row's last ``trims[i]`` positions from a batch cache (the draft tokens it rejected): the
+    amount all rows share is trimmed, the rest of each row is rolled into its left padding (mlx-lm's own
+    right-padding mechanism), so every row's positions stay contiguous and end together."""
+    common = min(trims)
+    rest = [t - common for t in trims]
+    for layer in cache:
+        if common:
+            layer.trim(common)
+        if any(rest):
+            layer.prepare(right_padding=rest)
+            layer.finalize()
 
 
 def _merge_caches(caches: list[list[Any]]) -> list[Any]:

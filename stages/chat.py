@@ -137,8 +137,20 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
                 f"{max_tokens} max_tokens at {per_token} bytes each), more than this model's budget of "
                 f"{budget / 2**20:.0f} MiB; shorten the messages or lower max_tokens.", param="max_tokens")
 
+    def _refuse_images(self, request: ChatRequest, resource: ModelResource) -> None:
+        """Images in the message a request asks about now need a model that reads them; earlier ones stay
+        markers (an agent whose history holds a screenshot goes on)."""
+        last = request.messages[-1] if request.messages else None
+        if last is None or last.role != "user" or not last.images or resource.kind == "vision":
+            return
+        readers = self.models.able("vision", known=True)
+        raise ApiError("invalid_request", f"The model {request.model!r} reads text only, and the last message "
+                       f"holds {last.images} image{'s' if last.images > 1 else ''}. Models on this server that read "
+                       f"images: {', '.join(readers) or '(none)'}.", param="messages", code="images_not_supported")
+
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
         resource = self.models.lookup(request.model)
+        self._refuse_images(request, resource)
         loaded = resource.require()
         tokenizer = loaded.tokenizer
         # Checked against the model before any templating or tokenizing (which cost many times the text).
@@ -240,13 +252,14 @@ def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> S
         return None
     with_tools = bool(request.tools) and request.tool_choice != "none"
     reasoning_id = family.reasoning.parser
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(family.reasoning.options)
     if "starts_inside" in inspect.signature(REASONING_PARSERS[reasoning_id]).parameters:
         # Templates that open the thinking block themselves make the output start inside it.
         options["starts_inside"] = prompt_text.rstrip().endswith(family.reasoning.open_tag)
     return make_response_parser(tool_parser=family.tools.parser if with_tools else None,
                                 reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options,
-                                loose_tool_calls=with_tools and family.tools.loose_calls)
+                                loose_tool_calls=with_tools and family.tools.loose_calls,
+                                tool_options=family.tools.options)
 
 
 def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:

@@ -94,7 +94,9 @@ def forced_call_grammars(request: ChatRequest, family: Family) -> tuple[Grammar,
     if not schemas:
         return ()
     parser = TOOL_PARSERS.get(family.tools.parser)
-    return tuple(Grammar.lark(text) for text in parser.forced_call_grammars(schemas)) if parser else ()
+    if parser is None:
+        return ()
+    return tuple(Grammar.lark(text) for text in parser.forced_call_grammars(schemas, **family.tools.options))
 
 
 class GenerateConfig(ModelStageConfig):

@@ -162,3 +162,15 @@ def test_errors_take_ollamas_shape(server: RunningServer) -> None:
     assert wrong_kind.value.status_code == 400
     unknown = httpx.post(server.base_url + "/api/show", timeout=30, json={"model": "nope"})
     assert unknown.status_code == 404 and "error" in unknown.json()
+
+
+def test_think_levels_grade_the_reasoning() -> None:
+    from protocols.ollama import decode_chat_request
+
+    def decoded(think: Any) -> Any:
+        return decode_chat_request(json.dumps({"model": "m", "messages": MESSAGES, "think": think}).encode(), "r", 0)
+
+    high = decoded("high")
+    assert (high.thinking, high.reasoning_effort) == (True, "high")  # gpt-oss's template reads the effort
+    off = decoded(False)
+    assert (off.thinking, off.reasoning_effort) == (False, None)
