@@ -25,6 +25,9 @@ function askForKey(refused) {
   return new Promise((resolve) => keyWaiters.push(resolve));
 }
 
+// Escape would close the dialog and leave the page waiting for a key forever: nothing works without one.
+$("key-dialog").addEventListener("cancel", (event) => event.preventDefault());
+
 $("key-form").addEventListener("submit", () => {
   sessionStorage.setItem(KEY_ITEM, $("api-key").value.trim());
   $("api-key").value = "";
