@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cache
 
 from flow.agent_store import AgentStore
+from flow.downloads import DownloadsResource
 from flow.pool import ModelPool
 from flow.prefix import PrefixCacheResource
 from flow.registry import Registry
@@ -28,6 +29,7 @@ from stages.echo import EchoGenerate
 from stages.embeddings import Embed, EmbeddingsDecode, EmbeddingsFormat
 from stages.rerank import Rerank, RerankDecode, RerankFormat
 from stages.generate import Generate
+from stages.library import DownloadsManage, FitCheck, LibraryList
 from stages.adapters import AdaptersManage
 from stages.models import ModelsList
 from stages.ollama import (
@@ -41,6 +43,7 @@ from stages.ollama import (
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
 from stages.openai_completions import OpenAICompletionsDecode, OpenAICompletionsFormat
 from stages.openai_responses import OpenAIResponsesDecode, OpenAIResponsesFormat, OpenAIResponsesRetrieve
+from viz.console import ConsoleGraph, ConsolePage
 
 STAGES = (
     OpenAIChatDecode, OpenAIChatFormat,
@@ -52,8 +55,9 @@ STAGES = (
     ModelsList, AdaptersManage,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
+    ConsolePage, ConsoleGraph, LibraryList, FitCheck, DownloadsManage,
 )
-RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)
+RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore, DownloadsResource)
 
 
 @cache

@@ -3,8 +3,9 @@
 The graph's routes are not Quart rules: they change with a reload. One
 catch-all view matches each request against the current generation's routing
 table (``{param}`` segments; 404, or 405 with the methods the path has) and
-hands it to :meth:`FlowServer.respond`. The shell owns only ``/``, ``/health``,
-``/stats``, ``/metrics`` and ``POST /admin/reload``; every error it writes
+hands it to :meth:`FlowServer.respond`. The shell owns only ``/health``,
+``/stats``, ``/metrics`` and ``POST /admin/reload`` (and answers ``GET /`` with a
+short JSON when the graph has no console page there); every error it writes
 itself (unknown route, wrong method, body too large or too slow, refused host
 or key) takes the protocol shape of the path's route, or the graph's
 ``server.default_exit``.
@@ -92,11 +93,15 @@ def create_app(server: FlowServer) -> QuartTrio:
             # RFC 9112 §6.1: a request with both may be smuggling one inside the other; never reuse it.
             return server.error_response(request.path, ApiError(
                 "invalid_request", "The request has both Content-Length and Transfer-Encoding."), close=True)
+        public = request.method in ("GET", "HEAD") and server.live.gen.is_public(request.method, request.path)
         try:
-            server.guard.check(request.method, request.path, headers)
+            server.guard.check(request.method, request.path, headers, public=public)
         except ApiError as error:
             return server.error_response(request.path, error, close=True)
         return None
+
+    def about() -> dict[str, Any]:
+        return {"name": "flow", "graph": server.live.gen.info(), "status": "ok"}
 
     async def dispatch(path: str = "") -> Response:
         """Every graph route: matched against the generation serving new requests now."""
@@ -104,6 +109,8 @@ def create_app(server: FlowServer) -> QuartTrio:
         try:
             match = gen.match(request.method, request.path)
         except NoRoute as missing:
+            if request.path == "/" and request.method in ("GET", "HEAD"):
+                return _json(about())  # a graph without a console page: connectivity checks still get an answer
             if not missing.allowed:
                 return server.error_response(request.path, ApiError(
                     "not_found", f"No route {request.method} {request.path}. Routes: {gen.routes_text()}, "
@@ -124,6 +131,8 @@ def create_app(server: FlowServer) -> QuartTrio:
         )
         return await server.respond(gen, match.runner, http, app.nursery, _request_runs.get())
 
+    app.add_url_rule("/", endpoint="graph_root", view_func=dispatch, methods=METHODS,
+                     provide_automatic_options=False)  # "/" is a graph route too: the console page
     app.add_url_rule("/<path:path>", endpoint="graph", view_func=dispatch, methods=METHODS,
                      provide_automatic_options=False)
 
@@ -147,10 +156,6 @@ def create_app(server: FlowServer) -> QuartTrio:
                                   list(websocket.headers.items()), websocket.send)
         await session.serve(websocket.receive)
         return None
-
-    @app.route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        return _json({"name": "flow", "graph": server.live.gen.info(), "status": "ok"})
 
     @app.route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -28,6 +28,7 @@ from protocols.errors import ApiError
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig, SpeculativeConfig, Strategy
 from runtime.model_kinds import ModelKind, detect_kind_of
+from runtime.model_memory import default_kv_budget_bytes
 
 if TYPE_CHECKING:
     from runtime.embeddings import LoadedEmbedder
@@ -152,6 +153,8 @@ class ModelResource(Resource):
         assert isinstance(config, ModelConfig)
         self.name = config.name or resource_id
         self.source = config.path  # the source in use: path, or the fallback found (see resolve_source)
+        self.path: Path | None = None  # its directory, once resolved (/library marks it as serving)
+        self.loading_since = 0.0  # when the current (or last) load began: /stats shows a load's time so far
         self.loaded: LoadedModel | None = None  # a text model's
         self.embedding: LoadedEmbedder | None = None  # an embedding model's
         self.family: Family = builtin_families()["default"]
@@ -210,6 +213,7 @@ class ModelResource(Resource):
             return
         assert self._device is not None, "the server starts resources before requests arrive"
         self._loading = trio.Event()
+        self.loading_since = time.monotonic()
         try:
             if self.pool is not None:
                 await self.pool.make_room(self)
@@ -227,6 +231,7 @@ class ModelResource(Resource):
         from runtime.models import ModelNotAvailable, load_model  # MLX: once a model loads
 
         path: Path = await trio.to_thread.run_sync(self.resolve_source)
+        self.path = path
         if self.kind is None:
             self.kind = await trio.to_thread.run_sync(detect_kind_of, path)
         if self.kind == "embeddings":
@@ -368,20 +373,13 @@ class ModelResource(Resource):
 
     @property
     def kv_budget_bytes(self) -> int:
-        return self.config.kv_budget_bytes or _half_of_memory()
+        return self.config.kv_budget_bytes or default_kv_budget_bytes()
 
     def require(self) -> LoadedModel:
         self.last_used = time.monotonic()
         if self.loaded is None:
             raise ApiError("overloaded", f"Model {self.name!r} is still loading; retry shortly.", retry_after=2)
         return self.loaded
-
-
-def _half_of_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
 
 
 class ModelSet:

@@ -118,6 +118,7 @@ from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 from runtime.pass_cost import PassCost
 from runtime.speculative import DraftState, greedy_accepts, sampled_verify, worth_verifying
 from runtime.engine_config import EngineConfig, EngineOverloaded
+from runtime.model_memory import kv_bytes_per_token
 
 log = logging.getLogger("flow.engine")
 
@@ -1170,14 +1171,10 @@ def _kv_bytes_per_token(model: Any) -> int:
     def get(key: str) -> Any:
         return text.get(key) if isinstance(text, dict) else getattr(args, key, None)
 
-    layers = get("num_hidden_layers") or len(getattr(model, "layers", ()))
-    heads = get("num_attention_heads") or 1
-    kv_heads = get("num_key_value_heads") or heads
-    head_dim = get("head_dim") or (get("hidden_size") or 0) // heads
     itemsize = 2
     for item in tree_flatten(model.parameters()):
         value = item[1] if isinstance(item, tuple) else None
         if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
             itemsize = value.dtype.size
             break
-    return int(layers * kv_heads * head_dim * 2 * itemsize)
+    return kv_bytes_per_token(get, len(getattr(model, "layers", ())), itemsize)

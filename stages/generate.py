@@ -9,7 +9,7 @@ import trio
 from pydantic import Field
 
 from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Outbox, Stage
+from flow.stage import Outbox, Stage, note_request
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from protocols.parsers import TOOL_PARSERS
@@ -133,6 +133,7 @@ class Generate(Stage[PreparedPrompt, Generation]):
                         constraint) for i, constraint in enumerate(constraints)]
             adapters = resource.adapters.select(request.model, request.adapter)
             tokens = list(prompt.token_ids)
+            note_request(model=resource.name, prompt_tokens=len(tokens))
             policy = request.cache
             hit = await engine.match_prefix(tokens, policy, adapters)
             try:

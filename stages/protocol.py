@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 import trio
 from pydantic import Field
 
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, note_request
 from protocols.codec import JSON_HEADERS
 from protocols.ir import (
     ChatRequest,
@@ -134,6 +134,7 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
                 builder.add(event)
                 if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
                     result = builder.result()
+                    note_request(completion_tokens=result.usage.completion_tokens)
                     await self.finished(result, self.codec.encode_final(result))
                 frames = encoder.encode(event)
                 if frames:
@@ -144,6 +145,7 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
         async for event in inbox:
             builder.add(event)
         result = builder.result()
+        note_request(completion_tokens=result.usage.completion_tokens)
         body = self.codec.encode_final(result)
         await self.finished(result, body)
         await outbox.send(json_frame(body))
