@@ -33,6 +33,7 @@ from flow import blas
 from flow.bundled import graphs_dir
 from flow.compiler import compile_tables
 from flow.embedded import RunningServer, running_server
+from flow.fit import record_measured_decode_tps
 from flow.spec import load_tables
 
 GRAPHS = graphs_dir()  # the bundled graphs (flow/bundled.py)
@@ -155,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the full result here")
     args = parser.parse_args(argv)
     blas.advise()
-    return report(run_bench(args.model, args.max_tokens, args.rounds), args.json, markdown)
+    result = run_bench(args.model, args.max_tokens, args.rounds)
+    record_measured_decode_tps(args.model, result["server_decode_tps"])  # flow fit shows it beside its prediction
+    return report(result, args.json, markdown)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cache
 
 from flow.agent_store import AgentStore
+from flow.downloads import DownloadsResource
 from flow.pool import ModelPool
 from flow.prefix import PrefixCacheResource
 from flow.registry import Registry
@@ -31,10 +32,21 @@ from stages.rerank import Rerank, RerankDecode, RerankFormat
 from stages.speech import SpeechDecode, SpeechFormat, Synthesize
 from stages.transcription import Transcribe, TranscriptionsDecode, TranscriptionsFormat, TranslationsDecode
 from stages.generate import Generate
+from stages.library import DownloadsManage, FitCheck, LibraryList
+from stages.adapters import AdaptersManage
 from stages.models import ModelsList
+from stages.ollama import (
+    OllamaChatDecode,
+    OllamaEmbedDecode,
+    OllamaEmbedFormat,
+    OllamaFormat,
+    OllamaGenerateDecode,
+    OllamaModels,
+)
 from stages.openai_chat import OpenAIChatDecode, OpenAIChatFormat
 from stages.openai_completions import OpenAICompletionsDecode, OpenAICompletionsFormat
 from stages.openai_responses import OpenAIResponsesDecode, OpenAIResponsesFormat, OpenAIResponsesRetrieve
+from viz.console import ConsoleGraph, ConsolePage
 
 STAGES = (
     OpenAIChatDecode, OpenAIChatFormat,
@@ -42,13 +54,15 @@ STAGES = (
     OpenAICompletionsDecode, OpenAICompletionsFormat,
     AnthropicMessagesDecode, AnthropicMessagesFormat, AnthropicCountTokensDecode, AnthropicCountTokensFormat,
     AgentsManage, AgentsGenerateDecode, AgentsGenerateFormat,
-    ModelsList,
+    OllamaChatDecode, OllamaGenerateDecode, OllamaFormat, OllamaModels, OllamaEmbedDecode, OllamaEmbedFormat,
+    ModelsList, AdaptersManage,
     EmbeddingsDecode, Embed, EmbeddingsFormat, RerankDecode, Rerank, RerankFormat,
     TranscriptionsDecode, TranslationsDecode, Transcribe, TranscriptionsFormat,
     SpeechDecode, Synthesize, SpeechFormat, VoicesList,
     ChatPrepare, Generate, EchoGenerate, ChatProcess,
+    ConsolePage, ConsoleGraph, LibraryList, FitCheck, DownloadsManage,
 )
-RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore)
+RESOURCES = (ModelResource, ModelPool, PrefixCacheResource, ResponseStore, AgentStore, DownloadsResource)
 
 
 @cache

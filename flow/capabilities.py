@@ -174,7 +174,14 @@ class CapabilityStore:
 def family_from_capabilities(caps: Capabilities, families: dict[str, Family]) -> Family:
     """The family serving uses for a probed model: its family with what the probe found."""
     base = families.get(caps.family, families["default"])
+    # A family's parser options belong to its own parser: another one the probe found takes its defaults.
+    tools: dict[str, Any] = {"parser": caps.tool_parser, "delivery": caps.tool_delivery}
+    if caps.tool_parser != base.tools.parser:
+        tools["options"] = {}
+    reasoning: dict[str, Any] = {"parser": caps.reasoning_parser}
+    if caps.reasoning_parser != base.reasoning.parser:
+        reasoning["options"] = {}
     return base.model_copy(update={
-        "tools": base.tools.model_copy(update={"parser": caps.tool_parser, "delivery": caps.tool_delivery}),
-        "reasoning": base.reasoning.model_copy(update={"parser": caps.reasoning_parser}),
+        "tools": base.tools.model_copy(update=tools),
+        "reasoning": base.reasoning.model_copy(update=reasoning),
     })

@@ -1,4 +1,4 @@
-"""``flow``: serve, check, viz, stages, probe, models, families, import, bench."""
+"""``flow``: serve, check, viz, stages, probe, models, fit, pull, families, import, bench."""
 
 from __future__ import annotations
 
@@ -126,10 +126,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    from viz import render_dot, render_mermaid
+    from viz import render_dot, render_html, render_mermaid, render_svg_file
 
     graph = compile_file(resolve_graph_path(args.graph))
-    text = render_mermaid(graph) if args.format == "mermaid" else render_dot(graph)
+    renderers = {"mermaid": render_mermaid, "dot": render_dot, "svg": render_svg_file, "html": render_html}
+    text = renderers[args.format](graph)
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -295,13 +296,64 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit(args: argparse.Namespace) -> int:
+    import json
+
+    from flow.fit import assess, text_report
+    from runtime.models import ModelNotAvailable, resolve_model_path
+
+    try:  # never downloads: fit reads the files already here
+        path = resolve_model_path(os.path.expanduser(args.model), offline=True)
+        fit = assess(args.model, path, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk)
+    except (ModelNotAvailable, ValueError) as exc:
+        print(f"flow fit: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(json.dumps(fit.json(), indent=2) + "\n" if args.json else text_report(fit))
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    import threading
+
+    from flow.downloads import Download, Offline, Progress, pull, progress_line
+
+    download = Download(args.repo, args.revision)
+    outcome: dict[str, BaseException | Path] = {}
+
+    def work() -> None:
+        try:
+            outcome["path"] = pull(download, Progress(download))
+        except BaseException as exc:  # shown below, after the progress line
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=work, name="flow-pull", daemon=True)
+    worker.start()
+    tty = sys.stderr.isatty()
+    while worker.is_alive():
+        worker.join(0.25 if tty else 5)
+        if download.state == "running":
+            sys.stderr.write(("\r\033[K" if tty else "") + progress_line(download) + ("" if tty else "\n"))
+            sys.stderr.flush()
+    if tty:
+        sys.stderr.write("\r\033[K")
+    error = outcome.get("error")
+    if error is not None:
+        print(f"flow pull: {error if isinstance(error, Offline) else download.error}", file=sys.stderr)
+        return 1
+    print(f"{args.repo}: {download.files_total} files, {download.total_bytes:,} bytes in {outcome['path']}")
+    return 0
+
+
 def _family_json(family: Family) -> dict[str, Any]:
     return {"name": family.name, "description": family.description, "extends": family.extends,
             "detect": family.detect.model_dump(),
-            "tools": {"parser": family.tools.parser, "delivery": family.tools.delivery,
-                      "loose_calls": family.tools.loose_calls},
-            "reasoning": {"parser": family.reasoning.parser, "toggle": family.reasoning.toggle},
+            "tools": family.tools.model_dump(exclude={"prompt", "call_format"}),
+            "reasoning": family.reasoning.model_dump(),
             "stop_tokens": family.stop_tokens}
+
+
+def _options(options: Mapping[str, Any]) -> str:
+    return f" ({'; '.join(f'{k} = {v!r}' for k, v in options.items())})" if options else ""
 
 
 def cmd_families(args: argparse.Namespace) -> int:
@@ -325,16 +377,25 @@ def cmd_families(args: argparse.Namespace) -> int:
         for label, values in rules:
             if values:
                 print(f"    {label + ':':<15}{', '.join(values)}")
+        if d.template_contains:
+            print(f"    {'':<15}(a chat template without {'it' if len(d.template_contains) == 1 else 'them all'} "
+                  "rules this family out)")
+        if d.priority:
+            print(f"    {'priority:':<15}{d.priority} (breaks ties)")
         if not any(values for _, values in rules):
             how = "the fallback when nothing matches" if family.name == "default" else "only when named"
             print(f"    {'detected:':<15}never; {how}")
         tools, reasoning = family.tools, family.reasoning
         loose = "; calls without markup taken too" if tools.loose_calls else ""
-        print(f"    {'tools:':<15}{tools.parser} parser, delivered by {tools.delivery}{loose}"
+        print(f"    {'tools:':<15}{tools.parser} parser{_options(tools.options)}, delivered by {tools.delivery}{loose}"
               if tools.parser != "null" else f"    {'tools:':<15}none (null parser)")
         toggle = f", thinking toggle {reasoning.toggle}" if reasoning.toggle else ""
-        print(f"    {'reasoning:':<15}{reasoning.parser} parser{toggle}"
+        effort = f", reasoning effort as {reasoning.effort}" if reasoning.effort else ""
+        effort += f", thinking budget as {reasoning.budget}" if reasoning.budget else ""
+        print(f"    {'reasoning:':<15}{reasoning.parser} parser{_options(reasoning.options)}{toggle}{effort}"
               if reasoning.parser != "null" else f"    {'reasoning:':<15}none (null parser)")
+        if family.stop_tokens:
+            print(f"    {'stops:':<15}{', '.join(family.stop_tokens)}")
     print(f"\nfrom {', '.join(str(d) for d in family_dirs())} ($FLOW_FAMILY_PATH adds directories); "
           "`flow models` shows which family each local model gets.")
     return 0
@@ -394,6 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("fit", help="will a local model fit here: memory, max safe context, predicted decode tok/s")
+    p.add_argument("model", help="a local model: hub repo id in the cache, directory, or tiny:PRESET")
+    p.add_argument("--max-batch", type=int, default=32, help="the engine's max_batch (logits memory)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="the engine's prefill_chunk (activations)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_fit)
+
+    p = sub.add_parser("pull", help="download a model from the Hugging Face Hub into its cache (again: only the files it lacks)")
+    p.add_argument("repo", help="repository id, owner/name")
+    p.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
+    p.set_defaults(func=cmd_pull)
+
     p = sub.add_parser("families", help="list the model families flow knows: detection, tool and reasoning parsers")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of text")
     p.set_defaults(func=cmd_families)
@@ -410,9 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("graphs", nargs="+", help="graph files or bundled graph names (default, demo)")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("viz", help="draw a graph as mermaid or DOT")
+    p = sub.add_parser("viz", help="draw a graph as mermaid, DOT, SVG or a standalone HTML page")
     p.add_argument("graph", help="graph file or bundled graph name (default, demo)")
-    p.add_argument("--format", choices=["mermaid", "dot"], default="mermaid")
+    p.add_argument("--format", choices=["mermaid", "dot", "svg", "html"], default="mermaid",
+                   help="svg and html: the drawing the console (GET /) shows, without its live figures")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(func=cmd_viz)
 

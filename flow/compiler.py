@@ -175,7 +175,7 @@ def parse_route(text: str) -> tuple[str, str] | None:
     if len(parts) != 2 or not parts[1].startswith("/"):
         return None
     method = parts[0].upper()
-    if method not in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"):
+    if method not in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "WEBSOCKET"):  # WEBSOCKET: flow.websocket
         return None
     return method, parts[1]
 

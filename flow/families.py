@@ -2,7 +2,7 @@
 
 A family file says how to recognise a model and how to talk to it: detection
 rules (``config.json`` ``model_type`` / ``architectures``, name patterns,
-chat-template features), how tools reach the model (the template's native
+the chat template's fingerprint), how tools reach the model (the template's native
 ``tools=`` support, or a prompt injected into the system message), which
 parsers read its output, how thinking is switched, extra stop tokens, and the
 template's quirks (and forgiveness: ``tools.loose_calls`` takes calls that small
@@ -10,7 +10,14 @@ models write without the markup). Adding a family whose formats exist is one fil
 
 Resolution (:func:`resolve_family`): an explicit family id wins; ``"auto"``
 scores every family's rules against the model and takes the best match (ties
-go to the higher ``priority``); nothing matching gives ``default``. Files may
+go to the higher ``priority``); nothing matching gives ``default``.
+
+The chat template is the best evidence of how a model talks: fine-tunes keep
+their base's ``model_type`` but may change the template (SmolLM2 is a ``llama``
+with a ChatML template), and renamed copies lose the name. So a family's
+``template_contains`` markers are a fingerprint: a model whose template is known
+and lacks one of them is not of that family, whatever its config says, and one
+whose template has them all is, even without any other rule matching. Files may
 ``extends`` another family and override only what differs.
 """
 
@@ -27,7 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flow.bundled import family_dir
-from protocols.parsers import REASONING_PARSERS, TOOL_PARSERS
+from protocols.parsers import REASONING_PARSERS, TOOL_PARSERS, reasoning_options_problem, tool_options_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,21 +60,29 @@ class Detect(_Strict):
     model_types: list[str] = Field(default_factory=list, description="config.json model_type values")
     architectures: list[str] = Field(default_factory=list, description="config.json architectures entries")
     name_patterns: list[str] = Field(default_factory=list, description="regexes matched (case-insensitive) on the model's path or id")
-    template_contains: list[str] = Field(default_factory=list, description="strings the chat template must all contain")
+    template_contains: list[str] = Field(
+        default_factory=list, description="the template's fingerprint: markers it must all contain (a known "
+        "template without one of them rules the family out)")
     priority: int = Field(default=0, description="breaks ties between families that match equally well")
 
 
 class Tools(_Strict):
     parser: str = Field(default="null", description="tool-call parser id")
-    delivery: Literal["auto", "template", "injected"] = Field(
+    delivery: Literal["auto", "template", "injected", "system"] = Field(
         default="auto", description="template: pass tools= to the chat template; injected: describe them in the "
-        "system message; auto: template when it mentions tools, else injected")
-    prompt: str = Field(default=DEFAULT_TOOL_PROMPT, description="injected tool prompt ({tools}, {call_format})")
+        "system message and write earlier calls as text; system: describe them in the system message, earlier "
+        "calls still to the template; auto: template when it mentions tools, else injected")
+    arguments: Literal["object", "string"] = Field(
+        default="object", description="earlier calls' arguments as the template wants them: an object, or JSON "
+        "text (templates that concatenate them)")
+    prompt: str = Field(default=DEFAULT_TOOL_PROMPT, description="injected tool prompt ({tools}: one JSON function "
+                        "a line, {tools_json}: a JSON list of them, {call_format})")
     call_format: str = Field(default='<tool_call>\n{"name": "NAME", "arguments": {ARGUMENTS}}\n</tool_call>',
                              description="how the injected prompt tells the model to write a call")
     call_ids: Literal["any", "alnum9"] = Field(default="any", description="alnum9: rewrite ids to 9 letters/digits (Mistral)")
     one_call_per_message: bool = Field(default=False, description="split multi-call assistant turns (Llama 3.1)")
     tool_role: Literal["tool", "user"] = Field(default="tool", description="user: tool results become user turns (templates without a tool role)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the parser's format options (markers)")
     loose_calls: bool = Field(
         default=False, description="also take a call written without the parser's markup (bare JSON or a ```json "
         "block naming a declared tool, as the whole rest of the output): small models that forget their format")
@@ -77,6 +92,13 @@ class Reasoning(_Strict):
     parser: str = Field(default="null", description="reasoning parser id")
     toggle: str | None = Field(default="enable_thinking", description="chat_template_kwargs key that switches thinking")
     open_tag: str = Field(default="<think>", description="when the prompt ends with this, output starts inside thinking")
+    options: dict[str, Any] = Field(default_factory=dict, description="the parser's format options (tags)")
+    effort: str | None = Field(default=None, description="chat_template_kwargs key that takes the request's "
+                               "reasoning effort (low/medium/high), for templates that grade thinking")
+    budget: str | None = Field(default=None, description="chat_template_kwargs key that takes the request's thinking "
+                               "budget in tokens (0 when thinking is off), for templates that limit thinking")
+    history_field: str = Field(default="reasoning_content", description="the assistant-message key the template "
+                               "reads earlier reasoning from (gpt-oss: thinking)")
 
 
 class Family(_Strict):
@@ -94,6 +116,8 @@ class Family(_Strict):
     def score(self, model_type: str | None, architectures: list[str], name: str, template: str) -> int:
         """How well this family's rules match a model (0: not at all)."""
         d = self.detect
+        if template and d.template_contains and not all(s in template for s in d.template_contains):
+            return 0  # the template says otherwise
         score = 0
         # A name is the most specific evidence (a fine-tune keeps its base's model_type).
         if any(re.search(p, name, re.IGNORECASE) for p in d.name_patterns):
@@ -102,8 +126,8 @@ class Family(_Strict):
             score += 8
         if set(architectures) & set(d.architectures):
             score += 4
-        if d.template_contains and all(s in template for s in d.template_contains):
-            score += 1
+        if template and d.template_contains:
+            score += 2  # a fingerprint match alone beats the default family
         return score
 
 
@@ -148,9 +172,13 @@ def load_families(*directories: Path) -> dict[str, Family]:
         if family.tools.parser not in TOOL_PARSERS:
             errors.append(f"family {name!r}: tools.parser {family.tools.parser!r} is unknown; "
                           f"valid: {', '.join(sorted(TOOL_PARSERS))}")
+        elif (problem := tool_options_problem(family.tools.parser, family.tools.options)) is not None:
+            errors.append(f"family {name!r}: tools.options: {problem}")
         if family.reasoning.parser not in REASONING_PARSERS:
             errors.append(f"family {name!r}: reasoning.parser {family.reasoning.parser!r} is unknown; "
                           f"valid: {', '.join(sorted(REASONING_PARSERS))}")
+        elif (problem := reasoning_options_problem(family.reasoning.parser, family.reasoning.options)) is not None:
+            errors.append(f"family {name!r}: reasoning.options: {problem}")
         families[name] = family
     if errors:
         raise FamilyError("; ".join(errors))

@@ -17,8 +17,11 @@ answers under a hostile name (Ollama's CVE-2024-28224). So, by default:
   audio transcription routes: ``multipart/form-data``, as the OpenAI SDK sends
   them) accepts that type too, on that route only; browsers send an ``Origin``
   with every cross-site form post, which the check above refuses;
-* with an API key, every route but ``/health`` needs it (``x-api-key`` or
-  ``Authorization: Bearer``), compared in constant time.
+* with an API key, every route but ``/health`` and public pages needs it
+  (``x-api-key`` or ``Authorization: Bearer``), compared in constant time. A
+  public page is a route whose entry stage says so (the console's shell: static
+  HTML holding no server data, which asks the user for the key and sends it on
+  every call it makes).
 
 Servers bound to other addresses (``--host 0.0.0.0``) are meant to be reached by
 name from elsewhere: they check the key, not the host.
@@ -69,10 +72,11 @@ class Guard:
         name = host.lower().rstrip(".")
         return is_loopback(name) or name in self.allowed
 
-    def check(self, method: str, path: str, headers: dict[str, str],
+    def check(self, method: str, path: str, headers: dict[str, str], public: bool = False,
               body_types: frozenset[str] = JSON_BODIES) -> None:
-        """Raise the :class:`ApiError` a request gets before anything else happens to it. ``body_types``: the
-        content types the route of ``path`` takes."""
+        """Raise the :class:`ApiError` a request gets before anything else happens to it. ``public``: the
+        path is a public page (no key needed; host and origin are still checked). ``body_types``: the content
+        types the route of ``path`` takes."""
         if self.check_host:
             host = host_name(headers.get("host", ""))
             if not self._allowed(host):
@@ -84,7 +88,7 @@ class Guard:
                                "not call this server (add the host to server.allowed_hosts).")
             if origin == "null":  # sandboxed frames and file:// pages
                 raise ApiError("permission", "Requests from opaque ('null') origins are not allowed.")
-        if self.api_key is not None and path not in UNGUARDED_PATHS and not self.key_ok(headers):
+        if self.api_key is not None and path not in UNGUARDED_PATHS and not public and not self.key_ok(headers):
             raise ApiError("authentication", "Invalid or missing API key; send it as 'x-api-key: KEY' or "
                            "'Authorization: Bearer KEY'.")
         bodiless = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers

@@ -3,8 +3,9 @@
 The graph's routes are not Quart rules: they change with a reload. One
 catch-all view matches each request against the current generation's routing
 table (``{param}`` segments; 404, or 405 with the methods the path has) and
-hands it to :meth:`FlowServer.respond`. The shell owns only ``/``, ``/health``,
-``/stats``, ``/metrics`` and ``POST /admin/reload``; every error it writes
+hands it to :meth:`FlowServer.respond`. The shell owns only ``/health``,
+``/stats``, ``/metrics`` and ``POST /admin/reload`` (and answers ``GET /`` with a
+short JSON when the graph has no console page there); every error it writes
 itself (unknown route, wrong method, body too large or too slow, refused host
 or key) takes the protocol shape of the path's route, or the graph's
 ``server.default_exit``.
@@ -21,12 +22,13 @@ import uuid
 from typing import Any
 
 import trio
-from quart import Response, has_request_context, request
+from quart import Response, has_request_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from flow.live import NoRoute
 from flow.server import FlowServer
+from flow.websocket import WS_METHOD, ResponsesSocket
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest
 from protocols.sse import dumps
@@ -91,12 +93,16 @@ def create_app(server: FlowServer) -> QuartTrio:
             # RFC 9112 §6.1: a request with both may be smuggling one inside the other; never reuse it.
             return server.error_response(request.path, ApiError(
                 "invalid_request", "The request has both Content-Length and Transfer-Encoding."), close=True)
+        public = request.method in ("GET", "HEAD") and server.live.gen.is_public(request.method, request.path)
         try:
-            server.guard.check(request.method, request.path, headers,
-                               server.live.gen.body_types(request.method, request.path))
+            server.guard.check(request.method, request.path, headers, public=public,
+                               body_types=server.live.gen.body_types(request.method, request.path))
         except ApiError as error:
             return server.error_response(request.path, error, close=True)
         return None
+
+    def about() -> dict[str, Any]:
+        return {"name": "flow", "graph": server.live.gen.info(), "status": "ok"}
 
     async def dispatch(path: str = "") -> Response:
         """Every graph route: matched against the generation serving new requests now."""
@@ -104,6 +110,8 @@ def create_app(server: FlowServer) -> QuartTrio:
         try:
             match = gen.match(request.method, request.path)
         except NoRoute as missing:
+            if request.path == "/" and request.method in ("GET", "HEAD"):
+                return _json(about())  # a graph without a console page: connectivity checks still get an answer
             if not missing.allowed:
                 return server.error_response(request.path, ApiError(
                     "not_found", f"No route {request.method} {request.path}. Routes: {gen.routes_text()}, "
@@ -124,12 +132,31 @@ def create_app(server: FlowServer) -> QuartTrio:
         )
         return await server.respond(gen, match.runner, http, app.nursery, _request_runs.get())
 
+    app.add_url_rule("/", endpoint="graph_root", view_func=dispatch, methods=METHODS,
+                     provide_automatic_options=False)  # "/" is a graph route too: the console page
     app.add_url_rule("/<path:path>", endpoint="graph", view_func=dispatch, methods=METHODS,
                      provide_automatic_options=False)
 
-    @app.route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        return _json({"name": "flow", "graph": server.live.gen.info(), "status": "ok"})
+    @app.websocket("/<path:path>")
+    async def socket(path: str = "") -> Response | None:
+        """A graph route ``WEBSOCKET /path`` (the Responses API's WebSocket mode). Anything else is refused
+        before the upgrade, in the path's protocol shape: clients fall back to HTTP at once."""
+        headers = {name.lower(): value for name, value in websocket.headers.items()}
+        try:
+            server.guard.check("GET", websocket.path, headers)
+            server.live.gen.match(WS_METHOD, websocket.path)
+        except ApiError as error:
+            return server.error_response(websocket.path, error)
+        except NoRoute:
+            paths = sorted(r.path for r in server.live.gen.graph.routes if r.method == WS_METHOD)
+            return server.error_response(websocket.path, ApiError(
+                "not_found", f"No WebSocket route at {websocket.path}; use HTTP there. WebSocket routes: "
+                f"{', '.join(paths) or '(none)'}."))
+        await websocket.accept()
+        session = ResponsesSocket(server, websocket.path, websocket.query_string.decode("latin-1"),
+                                  list(websocket.headers.items()), websocket.send)
+        await session.serve(websocket.receive)
+        return None
 
     @app.route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 import trio
 
@@ -36,7 +36,7 @@ from flow.compiler import CompiledGraph, CompiledResource, Route
 from flow.resource import Links, Resource
 from flow.runner import RouteRunner
 from flow.guard import JSON_BODIES
-from flow.stage import EdgeStats, EntryStage, ExitStage, Stage
+from flow.stage import EdgeStats, EntryStage, ExitStage, Stage, StageStats
 from runtime.device import DeviceThread
 
 log = logging.getLogger("flow.live")
@@ -116,6 +116,8 @@ class Generation:
         self.stages: dict[str, Stage[Any, Any]] = {
             sid: st.cls(sid, st.config, _links(st.refs, resources)) for sid, st in graph.stages.items()
         }
+        for stage in self.stages.values():
+            stage.bind_graph(graph)
         self.runners = {(r.method, r.path): RouteRunner(graph, r, self.stages) for r in graph.routes}
         self._table = RouteTable(graph.routes)
         self.active = 0  # requests running on it
@@ -126,6 +128,15 @@ class Generation:
         """The route for ``method path``; raises :class:`NoRoute` (with the methods the path has, if any)."""
         route, params = self._table.match(method, path)
         return RouteMatch(self.runners[(route.method, route.path)], params)
+
+    def is_public(self, method: str, path: str) -> bool:
+        """``method path`` is a route whose entry stage answers without the API key (see ``EntryStage.public``)."""
+        try:
+            route, _ = self._table.match(method, path)
+        except NoRoute:
+            return False
+        entry = self.stages[route.entry]
+        return isinstance(entry, EntryStage) and entry.public
 
     def body_types(self, method: str, path: str) -> frozenset[str]:
         """The content types the route of ``method path`` takes (JSON where no route has the path)."""
@@ -148,7 +159,7 @@ class Generation:
             best: tuple[int, Route] | None = None
             for route in self.graph.routes:
                 fixed = route.path.split("{", 1)[0].rstrip("/")
-                if candidate == fixed or candidate.startswith(fixed + "/"):
+                if candidate == fixed or (fixed and candidate.startswith(fixed + "/")):  # "/" is itself only
                     if best is None or len(fixed) > best[0]:
                         best = (len(fixed), route)
             if best is not None:
@@ -160,18 +171,32 @@ class Generation:
 
     def edge_stats(self) -> dict[tuple[str, str], EdgeStats]:
         """Per graph edge, summed over the routes that share it."""
-        total: dict[tuple[str, str], EdgeStats] = {}
-        for runner in self.runners.values():
-            for edge, stats in runner.edge_stats.items():
-                acc = total.setdefault(edge, EdgeStats())
-                acc.items += stats.items
-                acc.full += stats.full
-                acc.streams += stats.streams
-        return total
+        return _summed(EdgeStats, (runner.edge_stats for runner in self.runners.values()))
+
+    def stage_stats(self) -> dict[str, StageStats]:
+        """Per stage, summed over the routes that run it; ``queued``: items waiting in its inboxes now."""
+        per_route = ({sid: replace(stats, queued=runner.queued(sid)) for sid, stats in runner.stage_stats.items()}
+                     for runner in self.runners.values())
+        return _summed(StageStats, per_route)
 
     def info(self) -> dict[str, Any]:
         return {"name": self.graph.name, "version": self.version,
                 "loaded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.loaded_at))}
+
+
+Counters = TypeVar("Counters", EdgeStats, StageStats)
+Key = TypeVar("Key")
+
+
+def _summed(cls: type[Counters], parts: Iterable[Mapping[Key, Counters]]) -> dict[Key, Counters]:
+    """Counter dataclasses added field by field, per key."""
+    total: dict[Key, Counters] = {}
+    for part in parts:
+        for key, numbers in part.items():
+            acc = total.setdefault(key, cls())
+            for f in fields(cls):
+                setattr(acc, f.name, getattr(acc, f.name) + getattr(numbers, f.name))
+    return total
 
 
 def _links(refs: Mapping[str, tuple[str, ...]], resources: dict[str, Resource],

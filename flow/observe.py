@@ -8,6 +8,8 @@ generation's models and resources, its edges' traffic, the request counters.
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flow.metrics import Metric, Registry
@@ -15,6 +17,30 @@ from flow.resources import ModelResource
 
 if TYPE_CHECKING:
     from flow.server import FlowServer
+
+
+RECENT_REQUESTS = 50  # how many finished or running requests /stats lists
+
+
+@dataclass
+class RecentRequest:
+    """One request as the console's list shows it (no body, no path parameters beyond the path)."""
+
+    id: str
+    route: str
+    started: float  # wall clock
+    status: int | None = None  # set with the response head
+    ttfb_ms: float | None = None
+    duration_ms: float | None = None  # set when the run ends
+    notes: dict[str, Any] = field(default_factory=dict)  # what its stages noted: model, prompt/completion tokens
+
+    def json(self) -> dict[str, Any]:
+        return {"id": self.id, "route": self.route,
+                "started": time.strftime("%H:%M:%S", time.localtime(self.started)),
+                "status": self.status, "ttfb_ms": self.ttfb_ms, "duration_ms": self.duration_ms,
+                "running": self.duration_ms is None, "model": self.notes.get("model"),
+                "prompt_tokens": self.notes.get("prompt_tokens"),
+                "completion_tokens": self.notes.get("completion_tokens")}
 
 
 class Observer:
@@ -28,6 +54,12 @@ class Observer:
         self.first_byte = self.metrics.histogram(
             "flow_time_to_first_byte_seconds", "Time until the response head (streams: the first event) by route.")
         self.metrics.collector(self._collect)
+        self.recent: deque[RecentRequest] = deque(maxlen=RECENT_REQUESTS)
+
+    def request_started(self, request_id: str, route: str) -> RecentRequest:
+        record = RecentRequest(request_id, route, time.time())
+        self.recent.append(record)
+        return record
 
     def _graph(self) -> dict[str, Any]:
         live = self.server.live
@@ -51,14 +83,19 @@ class Observer:
         health = self.health_json()
         resources = self.server.live.gen.resources if self.server.live.current is not None else {}
         stats = {rid: res.stats() for rid, res in resources.items()}
+        stages = self.server.live.gen.stage_stats() if self.server.live.current is not None else {}
         return {
             "graph": health["graph"],
             "uptime_seconds": health["uptime_seconds"],
             "requests": health["requests"],
             "models": {m["id"]: m for m in health["models"]},
             "resources": {rid: numbers for rid, numbers in stats.items() if numbers is not None},
-            "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams}
+            "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams,
+                                          "queued": stages[dst].queued if dst in stages else 0}
                       for (src, dst), e in self._edge_stats().items()},
+            "stages": {sid: {"active": st.active, "runs": st.runs, "errors": st.errors, "queued": st.queued}
+                       for sid, st in stages.items()},
+            "recent_requests": [r.json() for r in reversed(self.recent)],
         }
 
     def _edge_stats(self) -> dict[tuple[str, str], Any]:
@@ -78,6 +115,8 @@ class Observer:
         steps = Metric("flow_engine_steps_total", "Engine steps, by model.", "counter")
         finished = Metric("flow_engine_sequences_total", "Sequences that left the engine, by model and outcome.",
                           "counter")
+        drafted = Metric("flow_draft_tokens_total", "Speculative decoding: tokens proposed and accepted, by model.",
+                         "counter")
         for model in server.models:
             if model.loaded is None:
                 continue
@@ -90,6 +129,8 @@ class Observer:
             steps.set(stats.steps, model=model.name)
             for outcome in ("finished", "cancelled", "failed"):
                 finished.set(getattr(stats, outcome), model=model.name, outcome=outcome)
+            drafted.set(stats.draft_tokens, model=model.name, outcome="proposed")
+            drafted.set(stats.accepted_tokens, model=model.name, outcome="accepted")
         store_entries = Metric("flow_store_entries", "Entries in stores, by resource.", "gauge")
         store_bytes = Metric("flow_store_bytes", "Bytes held by stores, by resource.", "gauge")
         resources = server.live.gen.resources if server.live.current is not None else {}
@@ -104,14 +145,19 @@ class Observer:
             items.set(e.items, edge=f"{src}->{dst}")
             full.set(e.full, edge=f"{src}->{dst}")
         resource_metrics = [m for res in resources.values() for m in res.metrics()]
-        return [active, version, prompt, generated, running, steps, finished, store_entries, store_bytes, items,
+        return [active, version, prompt, generated, running, steps, finished, drafted, store_entries, store_bytes, items,
                 full, *resource_metrics]
 
     @staticmethod
     def _model_health(model: ModelResource) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": model.name, "aliases": model.config.aliases, "ready": model.ready,
+        out: dict[str, Any] = {"id": model.name, "resource": model.id, "aliases": model.config.aliases,
+                               "ready": model.ready,
                                "state": model.state, "kind": model.kind, "family": model.family.name,
-                               "loads": model.loads}
+                               "loads": model.loads, "pinned": model.config.pin}
+        if model.ready and model.last_used:
+            out["idle_seconds"] = round(time.monotonic() - model.last_used, 1)
+        elif model.state == "loading":  # mlx-lm reports no progress: the time the load has taken so far
+            out["loading_seconds"] = round(time.monotonic() - model.loading_since, 1)
         if model.embedding is not None:
             out.update(smoke_test=model.embedding.smoke_test, dimensions=model.embedding.dims,
                        max_input_tokens=model.embedding.max_length, profile=model.embedding.profile.as_json(),

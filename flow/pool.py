@@ -53,6 +53,7 @@ class ModelPool(Resource):
         self.evictions = 0
         self.idle_unloads = 0
         self._room: trio.Lock | None = None  # made inside the trio run, on first use
+        self._admitted: set[ModelResource] = set()  # given room, still loading: they count as loaded
 
     def serve(self, target: Resource) -> None:
         """Take charge of a model before it loads."""
@@ -67,8 +68,17 @@ class ModelPool(Resource):
     def _loaded(self, besides: ModelResource | None = None) -> list[ModelResource]:
         return [m for m in self.models if m.ready and m is not besides]
 
+    def _claimed(self, besides: ModelResource) -> list[ModelResource]:
+        """Loaded models and the ones given room that are still loading (two eager models starting together
+        must not both fit a one-model pool)."""
+        return [m for m in self.models if (m.ready or m in self._admitted) and m is not besides]
+
+    def load_finished(self, model: ModelResource) -> None:
+        """The load :meth:`make_room` made room for is over (loaded or failed)."""
+        self._admitted.discard(model)
+
     def _over(self, incoming: ModelResource, incoming_bytes: int) -> bool:
-        loaded = self._loaded(incoming)
+        loaded = self._claimed(incoming)
         if self.config.max_loaded is not None and len(loaded) + 1 > self.config.max_loaded:
             return True
         used = sum(m.weight_bytes for m in loaded)
@@ -98,6 +108,7 @@ class ModelPool(Resource):
                     raise ApiError("overloaded", f"Every loaded model is busy or pinned; {incoming.name!r} cannot "
                                    "be loaded now.", retry_after=5)
                 await trio.sleep(0.05)
+            self._admitted.add(incoming)
 
     async def run(self) -> None:
         """Background duty while serving: unload models idle for ``idle_unload_seconds``."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import trio
 from pydantic import Field
@@ -51,6 +51,9 @@ class PrefixCacheConfig(ResourceConfig):
                                        description="how long blocks live after their last use, unless a request "
                                                    "says otherwise (Anthropic cache_control ttl, OpenAI ttl)")
     sweep_seconds: float = Field(default=60.0, gt=0, description="how often expired blocks are deleted")
+    disk_kv_bits: Literal[4, 8] | None = Field(
+        default=None, description="quantize blocks on disk to 8 (or 4) bits, in groups along the head dimension: "
+                                  "about 2x (4x from float32) the blocks per GiB, read back slightly lossy")
     models: list[str] = Field(default_factory=list, description="model resources that use it (default: all)")
 
 
@@ -67,7 +70,8 @@ class PrefixCacheResource(Resource):
 
         settings = self.config
         self.cache = PrefixCache(PrefixConfig(block_tokens=settings.block_tokens, hot_bytes=settings.hot_bytes,
-                                              default_ttl=settings.default_ttl_seconds))
+                                              default_ttl=settings.default_ttl_seconds,
+                                              disk_kv_bits=settings.disk_kv_bits))
         self._device: DeviceThread | None = None
         self.disk_error: str | None = None  # why the disk tier did not start
 

@@ -22,6 +22,7 @@ before falling back to family detection.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,8 @@ def _generate(loaded: LoadedModel, prompt: str, max_tokens: int) -> str:
                                                      max_tokens=max_tokens)))
 
 
-def _calls(parser_id: str, text: str) -> list[str]:
-    parser = make_tool_parser(parser_id, PROBE_TOOLS)
+def _calls(parser_id: str, text: str, options: Mapping[str, Any] | None = None) -> list[str]:
+    parser = make_tool_parser(parser_id, PROBE_TOOLS, options=options)
     return [e.name or "" for e in parser.parse(text) if isinstance(e, ToolCallDelta) and e.name]
 
 
@@ -132,7 +133,9 @@ def _probe(loaded: LoadedModel, path: Path, ref: str, family_choice: str, max_to
     chosen = _with(family, delivery=delivery)
     answer = _generate(loaded, render_prompt(tokenizer, request, chosen), max_tokens)
     evidence["tool_answer"] = answer[:2000]
-    found = {pid: _calls(pid, answer) for pid in TOOL_PARSERS if pid != "null"}
+    # The family's parser with its markers, then every parser with its defaults.
+    found = {pid: _calls(pid, answer, family.tools.options if pid == family.tools.parser else None)
+             for pid in TOOL_PARSERS if pid != "null"}
     evidence["calls_by_parser"] = found
     order = [family.tools.parser, *sorted(p for p in found if p != family.tools.parser)]
     tool_parser = next((p for p in order if found.get(p)), family.tools.parser)
@@ -151,7 +154,8 @@ def _probe(loaded: LoadedModel, path: Path, ref: str, family_choice: str, max_to
     if reasoning_parser == "null" and "</think>" in (evidence.get("thinking_answer") or answer):
         reasoning_parser = "think_tag"
     if reasoning_parser != "null":
-        parsed = make_response_parser(reasoning_parser=reasoning_parser).parse(
+        options = family.reasoning.options if reasoning_parser == family.reasoning.parser else {}
+        parsed = make_response_parser(reasoning_parser=reasoning_parser, reasoning_options=options).parse(
             evidence.get("thinking_answer") or answer)
         evidence["reasoning_seen"] = any(type(e).__name__ == "ReasoningDelta" for e in parsed)
 

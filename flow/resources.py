@@ -15,18 +15,20 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import trio
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flow.adapters import AdapterRegistry
 from flow.capabilities import CapabilityStore, family_from_capabilities
 from flow.families import Family, builtin_families, resolve_family
 from flow.resource import Links, Reference, Resource, ResourceConfig
 from protocols.errors import ApiError
 from runtime.device import DeviceThread
-from runtime.engine_config import EngineConfig, Strategy
+from runtime.engine_config import EngineConfig, SpeculativeConfig, Strategy
 from runtime.model_kinds import ModelKind, detect_kind_of
+from runtime.model_memory import default_kv_budget_bytes
 
 if TYPE_CHECKING:
     from runtime.audio import LoadedAudio
@@ -45,6 +47,26 @@ class LoadGate(Protocol):
     """What a model asks of the pool that serves it before it loads."""
 
     async def make_room(self, incoming: ModelResource) -> None: ...
+
+    def load_finished(self, model: ModelResource) -> None: ...
+
+
+class SpeculativeSettings(BaseModel):
+    """The ``speculative`` table of a model resource (see runtime.engine_config.SpeculativeConfig)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["off", "ngram"] = Field(default="off", description="off, or ngram: prompt-lookup drafts")
+    max_draft: int = Field(default=8, ge=1, le=64, description="tokens a row may propose per step")
+    min_ngram: int = Field(default=2, ge=1, le=16, description="shortest suffix looked up in the row's history")
+    max_ngram: int = Field(default=4, ge=1, le=16, description="longest suffix looked up (tried first)")
+    max_batch: int = Field(default=4, ge=1, description="steps with more rows than this decode without drafts")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculativeSettings:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram ({self.min_ngram}) is above max_ngram ({self.max_ngram})")
+        return self
 
 
 class ModelConfig(ResourceConfig):
@@ -91,6 +113,33 @@ class ModelConfig(ResourceConfig):
                                         "sentence may take (default: the model's own cap)")
     kv_budget_bytes: int | None = Field(
         default=None, ge=1, description="KV cache memory one request may claim (default: half the machine's memory)")
+    speculative: SpeculativeSettings = Field(
+        default_factory=SpeculativeSettings, description="speculative decoding: kind (off | ngram), max_draft, "
+                                                         "min_ngram, max_ngram, max_batch; greedy output unchanged")
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters mounted when the model loads: {id = directory} (mlx-lm or "
+                                          "PEFT layout); clients add more with POST /v1/adapters")
+    adapter_aliases: dict[str, str] = Field(
+        default_factory=dict, description="model ids that mean this model with adapters: {\"my-tune\" = \"id\"} "
+                                          "(or \"a+b\"); a request's own adapter field still wins")
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_ids(cls, value: dict[str, str]) -> dict[str, str]:
+        from protocols.adapter_spec import check_adapter_id
+
+        for adapter_id in value:
+            check_adapter_id(adapter_id)
+        return value
+
+    @field_validator("adapter_aliases")
+    @classmethod
+    def _adapter_specs(cls, value: dict[str, str]) -> dict[str, str]:
+        from protocols.adapter_spec import parse_adapter_spec
+
+        for spec in value.values():
+            parse_adapter_spec(spec)
+        return value
 
     @field_validator("family")
     @classmethod
@@ -112,6 +161,8 @@ class ModelResource(Resource):
         assert isinstance(config, ModelConfig)
         self.name = config.name or resource_id
         self.source = config.path  # the source in use: path, or the fallback found (see resolve_source)
+        self.path: Path | None = None  # its directory, once resolved (/library marks it as serving)
+        self.loading_since = 0.0  # when the current (or last) load began: /stats shows a load's time so far
         self.loaded: LoadedModel | None = None  # a text model's
         self.embedding: LoadedEmbedder | None = None  # an embedding model's
         self.audio: LoadedAudio | None = None  # an audio model's
@@ -123,6 +174,7 @@ class ModelResource(Resource):
         local = Path(os.path.expandvars(config.path)).expanduser()
         if self.kind is None and local.is_dir():
             self.kind = detect_kind_of(local)
+        self.adapters = AdapterRegistry(self.name, config.adapters, config.adapter_aliases)
         self.created = time.time()  # "created" in the model listing: kept across reloads with the resource
         self.last_used = 0.0
         self.loads = 0
@@ -133,7 +185,7 @@ class ModelResource(Resource):
     @property
     def ids(self) -> list[str]:
         """The exact ids that select this model: its name and plain aliases."""
-        return [self.name, *(a for a in self.config.aliases if not is_pattern(a))]
+        return [self.name, *(a for a in self.config.aliases if not is_pattern(a)), *self.config.adapter_aliases]
 
     @property
     def patterns(self) -> list[str]:
@@ -170,6 +222,7 @@ class ModelResource(Resource):
             return
         assert self._device is not None, "the server starts resources before requests arrive"
         self._loading = trio.Event()
+        self.loading_since = time.monotonic()
         try:
             if self.pool is not None:
                 await self.pool.make_room(self)
@@ -178,6 +231,8 @@ class ModelResource(Resource):
             self._load_error = exc
             raise
         finally:
+            if self.pool is not None:
+                self.pool.load_finished(self)
             self._loading.set()
             self._loading = None
 
@@ -185,6 +240,7 @@ class ModelResource(Resource):
         from runtime.models import ModelNotAvailable, load_model  # MLX: once a model loads
 
         path: Path = await trio.to_thread.run_sync(self.resolve_source)
+        self.path = path
         if self.kind is None:
             self.kind = await trio.to_thread.run_sync(detect_kind_of, path)
         if self.kind == "embeddings":
@@ -198,10 +254,20 @@ class ModelResource(Resource):
                 f"{self.name} ({self.source}) is a {self.kind} model; this version of flow serves text "
                 "generation (mlx-lm), embedding (mlx-embeddings) and audio (mlx-audio) models. If the detection is "
                 "wrong, set kind = \"text\", \"embeddings\" or \"audio\" on its [resources.*] table.")
+        spec = self.config.speculative
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
-                                     strategy=self.config.strategy, max_queue=self.config.max_queue)
+                                     strategy=self.config.strategy, max_queue=self.config.max_queue,
+                                     speculative=SpeculativeConfig(spec.kind, spec.max_draft, spec.min_ngram,
+                                                                   spec.max_ngram, spec.max_batch))
         started = time.perf_counter()
         loaded = await trio.to_thread.run_sync(load_model, self.name, path, device, engine_config, self.prefix_cache)
+        try:
+            await self.adapters.mount_all(loaded, self.served_names(path, loaded.config))
+        except ValueError as exc:
+            from runtime.models import unload_model
+
+            await trio.to_thread.run_sync(unload_model, loaded, device)
+            raise ModelNotAvailable(f"{self.name}: {exc}") from None
         # A probed model is served as the probe showed works; others by family detection.
         probed = CapabilityStore().get(path) if self.config.family == "auto" else None
         self.family = (family_from_capabilities(probed, builtin_families()) if probed is not None else
@@ -211,6 +277,12 @@ class ModelResource(Resource):
         self.loads += 1
         log.info("model %s ready (%.1f s, family %s)%s", self.name, time.perf_counter() - started, self.family.name,
                  " — SMOKE-TEST MODEL: random weights, output is gibberish" if loaded.smoke_test else "")
+
+    def served_names(self, path: Path, config: dict[str, Any]) -> list[str]:
+        """The names this model goes by, which an adapter's base-model name is checked against."""
+        names = [self.name, self.source, path.name, *self.config.aliases]
+        named = config.get("_name_or_path")
+        return [n for n in dict.fromkeys([*names, *([named] if isinstance(named, str) else [])]) if n]
 
     def resolve_source(self) -> Path:
         """The model's directory: ``path``, else the first of ``fallbacks`` on this machine (the last may be
@@ -322,6 +394,8 @@ class ModelResource(Resource):
         if loaded is not None:
             from runtime.models import unload_model
 
+            self.adapters.live = {}  # remembered, mounted again with the next load
+
             await trio.to_thread.run_sync(unload_model, loaded, loaded.engine.device)
             log.info("model %s unloaded (%.0f MiB freed)", self.name, loaded.weight_bytes / 2**20)
 
@@ -339,20 +413,13 @@ class ModelResource(Resource):
 
     @property
     def kv_budget_bytes(self) -> int:
-        return self.config.kv_budget_bytes or _half_of_memory()
+        return self.config.kv_budget_bytes or default_kv_budget_bytes()
 
     def require(self) -> LoadedModel:
         self.last_used = time.monotonic()
         if self.loaded is None:
             raise ApiError("overloaded", f"Model {self.name!r} is still loading; retry shortly.", retry_after=2)
         return self.loaded
-
-
-def _half_of_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
 
 
 class ModelSet:
@@ -390,11 +457,17 @@ class ModelSet:
                 code="model_not_found",
             )
         if found.kind is not None and found.kind != kind:
-            able = sorted(i for i, m in self._by_id.items() if m.kind in (kind, None))
+            able = self.able(kind)
             raise ApiError("invalid_request", f"The model {model_id!r} is {_article(found.kind)} {found.kind} model "
                            f"and cannot serve this {kind} request. Models that can: "
                            f"{', '.join(able) or '(none on this server)'}.", param="model", code="wrong_model_kind")
         return found
+
+
+    def able(self, kind: ModelKind, *, known: bool = False) -> list[str]:
+        """The ids of the models that are of ``kind`` (unless ``known``, also those whose kind is not known yet:
+        a lazy model from the hub)."""
+        return sorted(i for i, m in self._by_id.items() if m.kind == kind or (m.kind is None and not known))
 
 
 def is_pattern(alias: str) -> bool:

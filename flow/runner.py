@@ -16,7 +16,7 @@ from typing import Any
 import trio
 
 from flow.compiler import CompiledGraph, Route
-from flow.stage import EdgeStats, Outbox, Stage, request_lifetime
+from flow.stage import EdgeStats, Outbox, Stage, StageStats, request_lifetime
 from protocols.ir import HttpRequest, WireFrame
 
 
@@ -31,6 +31,13 @@ class RouteRunner:
         for src, dst in route.edges:
             self._consumers[src].append(dst)
         self.edge_stats = {edge: EdgeStats() for edge in route.edges}
+        self.stage_stats = {sid: StageStats() for sid in route.stages}
+        # The inboxes of the runs in flight, by stage: their fill is the queue depth /stats shows.
+        self._inboxes: dict[str, set[trio.MemoryReceiveChannel[Any]]] = {sid: set() for sid in route.stages}
+
+    def queued(self, sid: str) -> int:
+        """Items waiting now in ``sid``'s inboxes, over this route's requests in flight."""
+        return sum(inbox.statistics().current_buffer_used for inbox in self._inboxes[sid])
 
     async def run(self, request: HttpRequest, exit_outbox: Outbox[WireFrame]) -> None:
         """Run the request; the exit stage's frames go to ``exit_outbox`` (closed at the end)."""
@@ -56,8 +63,17 @@ class RouteRunner:
                     nursery.start_soon(self._run_stage, sid, inboxes[sid][1], outboxes[sid], name=f"stage:{sid}")
 
     async def _run_stage(self, sid: str, inbox: trio.MemoryReceiveChannel[Any], outbox: Outbox[Any]) -> None:
+        stats = self.stage_stats[sid]
+        stats.active += 1
+        stats.runs += 1
+        self._inboxes[sid].add(inbox)
         async with inbox:
             try:
                 await self.instances[sid].run(inbox, outbox)
+            except Exception:
+                stats.errors += 1
+                raise
             finally:
+                stats.active -= 1
+                self._inboxes[sid].discard(inbox)
                 outbox.close()

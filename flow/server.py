@@ -46,10 +46,10 @@ from flow import hypercorn_fixes
 from flow.compiler import CompiledGraph, CompileError
 from flow.guard import Guard
 from flow.live import Generation, LiveGraph, ReloadRefused, ReloadReport
-from flow.observe import Observer
+from flow.observe import Observer, RecentRequest
 from flow.resources import ModelResource
 from flow.runner import RouteRunner
-from flow.stage import ExitStage, Outbox
+from flow.stage import ExitStage, Outbox, request_notes
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
@@ -177,7 +177,8 @@ class FlowServer:
 
     # ------------------------------------------------------------------ one request
     async def run_request(self, gen: Generation, runner: RouteRunner, http: HttpRequest,
-                          send: trio.MemorySendChannel[WireFrame], scope: trio.CancelScope) -> None:
+                          send: trio.MemorySendChannel[WireFrame], scope: trio.CancelScope,
+                          record: RecentRequest | None = None) -> None:
         exit_stage = gen.exit_stage(runner.route.exit)
         self.requests_total += 1
         self.requests_active += 1
@@ -187,7 +188,7 @@ class FlowServer:
         try:
             with self.live.entered(gen):
                 async with send:
-                    with scope:
+                    with scope, request_notes(record.notes if record is not None else {}):
                         try:
                             await runner.run(http, outbox)
                         except BaseException as raw:
@@ -217,6 +218,8 @@ class FlowServer:
             self.requests_active -= 1
             self.observer.duration.observe(time.perf_counter() - started,
                                            route=f"{runner.route.method} {runner.route.path}")
+            if record is not None:
+                record.duration_ms = round((time.perf_counter() - started) * 1000, 1)
 
     @staticmethod
     async def _send_all(send: trio.MemorySendChannel[WireFrame], frames: list[WireFrame]) -> None:
@@ -252,7 +255,8 @@ class FlowServer:
             runs.append(scope)  # cancelled when the request ends, even if its body never began
         route = f"{runner.route.method} {runner.route.path}"
         started = time.perf_counter()
-        nursery.start_soon(self.run_request, gen, runner, http, send, scope)
+        record = self.observer.request_started(http.request_id, route)
+        nursery.start_soon(self.run_request, gen, runner, http, send, scope, record)
         try:
             first = await receive.receive()
         except BaseException:
@@ -260,6 +264,7 @@ class FlowServer:
             raise
         self.observer.first_byte.observe(time.perf_counter() - started, route=route)
         self.observer.requests.inc(route=route, status=str(first.status))
+        record.status, record.ttfb_ms = first.status, round((time.perf_counter() - started) * 1000, 1)
         if not first.streaming:
             receive.close()
             return Response(first.data, status=first.status, headers=Headers(list(first.headers)))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import trio
 from pydantic import BaseModel, ConfigDict
@@ -26,6 +26,9 @@ from flow.resource import Links, Reference
 from protocols.codec import Codec, error_response, error_stream_end
 from protocols.errors import ApiError
 from protocols.ir import ProtocolContext, WireFrame
+
+if TYPE_CHECKING:
+    from flow.compiler import CompiledGraph
 
 log = logging.getLogger("flow.stage")
 
@@ -48,9 +51,42 @@ class EdgeStats:
     streams: int = 0  # requests that used the edge
 
 
+@dataclass
+class StageStats:
+    """One stage's runs, summed over requests (``/stats``): what is running now, and what failed."""
+
+    active: int = 0  # requests whose task for this stage is running now
+    runs: int = 0
+    errors: int = 0  # runs that ended with an exception (a client's cancellation is not one)
+    queued: int = 0  # items waiting in the inboxes of the active runs (filled in when read)
+
+
 # The callbacks to run when the current request ends; set by the route runner, inherited by
 # every stage task of the request (and the worker threads they start).
 _REQUEST_END: ContextVar[list[Callable[[], None]] | None] = ContextVar("flow_request_end", default=None)
+
+
+# What stages tell about the current request for the console's recent list (model, tokens); set per request
+# by the server, inherited by every stage task of the request.
+_REQUEST_NOTES: ContextVar[dict[str, Any] | None] = ContextVar("flow_request_notes", default=None)
+
+
+def note_request(**fields: Any) -> None:
+    """Record facts about the current request (``model=``, ``completion_tokens=``) for ``/stats``'s recent
+    requests; a no-op outside a request."""
+    notes = _REQUEST_NOTES.get()
+    if notes is not None:
+        notes.update(fields)
+
+
+@contextmanager
+def request_notes(notes: dict[str, Any]) -> Iterator[None]:
+    """The scope in which :func:`note_request` writes into ``notes``."""
+    token = _REQUEST_NOTES.set(notes)
+    try:
+        yield
+    finally:
+        _REQUEST_NOTES.reset(token)
 
 
 def on_request_end(callback: Callable[[], None]) -> None:
@@ -122,6 +158,10 @@ class Stage(Generic[In, Out]):
         self.config = config
         self.links = links
 
+    def bind_graph(self, graph: CompiledGraph) -> None:
+        """Called once the graph this instance belongs to is live; for stages that describe the graph itself
+        (the console draws it)."""
+
     async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[Out]) -> None:
         raise NotImplementedError
 
@@ -129,10 +169,13 @@ class Stage(Generic[In, Out]):
 class EntryStage(Stage[In, Out]):
     """A stage fed by the HTTP shell; its graph table carries ``routes`` and ``exit``.
 
-    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`);
+    ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`).
+    ``public``: its routes answer without the API key (a page that holds no server data, like the console's
+    shell: a browser opening it cannot send a key, so the page asks for one).
     ``body_types``: the content types its routes take (JSON; file uploads add ``multipart/form-data``)."""
 
     context_type: ClassVar[type[ProtocolContext]] = ProtocolContext
+    public: ClassVar[bool] = False
     body_types: ClassVar[frozenset[str]] = frozenset({"application/json"})
 
 

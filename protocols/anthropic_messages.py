@@ -11,8 +11,10 @@ shape every family template understands:
 * ``tool_use`` blocks become OpenAI-style ``tool_calls`` (arguments as dicts);
 * ``tool_result`` blocks become ``tool`` messages, in order, before the text
   of the same user turn;
-* ``image``/``document`` blocks become a short marker: the served models read
-  text only, and an agent whose history holds a screenshot must keep working.
+* ``document`` blocks become their text (:mod:`protocols.documents`: text, base64 PDF and content
+  sources);
+* ``image`` blocks become a short marker: the served models read text only, and
+  an agent whose history holds a screenshot must keep working.
 
 The first system block Claude Code sends (``x-anthropic-billing-header: …``)
 changes on every request; it is dropped before templating so that it cannot
@@ -31,6 +33,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
+from protocols import documents
+from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import cache_control_ttl
 from protocols.errors import STATUS, ApiError
 from protocols.output_format import decode_response_format
@@ -52,7 +56,6 @@ from protocols.sse import dumps, event_frame
 from protocols.validation import parse_json_body
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
-MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
 
 # --------------------------------------------------------------------------- request
 
@@ -67,7 +70,14 @@ class TextBlock(_Lenient):
 
 
 class MediaBlock(_Lenient):
-    type: Literal["image", "document"]
+    type: Literal["image"]
+
+
+class DocumentBlock(_Lenient):
+    type: Literal["document"]
+    source: dict[str, Any]
+    title: str | None = None
+    context: str | None = None
 
 
 class ThinkingBlock(_Lenient):
@@ -96,7 +106,7 @@ class OtherBlock(_Lenient):
     type: str
 
 
-_TAGS = {"text": "text", "image": "media", "document": "media", "thinking": "thinking",
+_TAGS = {"text": "text", "image": "media", "document": "document", "thinking": "thinking",
          "redacted_thinking": "redacted_thinking", "tool_use": "tool_use", "tool_result": "tool_result"}
 
 
@@ -106,7 +116,7 @@ def _block_tag(value: Any) -> str:
 
 
 ContentBlock = Annotated[
-    Annotated[TextBlock, Tag("text")] | Annotated[MediaBlock, Tag("media")]
+    Annotated[TextBlock, Tag("text")] | Annotated[MediaBlock, Tag("media")] | Annotated[DocumentBlock, Tag("document")]
     | Annotated[ThinkingBlock, Tag("thinking")] | Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]
     | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated["ToolResultBlock", Tag("tool_result")]
     | Annotated[OtherBlock, Tag("other")],
@@ -159,6 +169,7 @@ class MessagesBody(_Lenient):
     thinking: ThinkingIn | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    adapter: str | None = Field(default=None, max_length=512)  # flow: LoRA adapters (protocols.adapter_spec)
 
     @field_validator("stop_sequences")
     @classmethod
@@ -174,19 +185,37 @@ class CountTokensBody(MessagesBody):
     max_tokens: int = Field(default=1, ge=1)
 
 
-def _media_marker(kind: str) -> str:
-    return MEDIA_MARKER.format(kind=kind)
+def _document(block: DocumentBlock, where: str) -> str:
+    """A document block's text: ``text`` and ``content`` sources as they are, ``base64`` decoded (PDFs to text)."""
+    source = block.source
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "base64" and isinstance(source.get("data"), str):
+        data = documents.decode_base64(source["data"], f"{where}.source.data")
+        text = documents.file_text(str(source.get("media_type") or "application/pdf"), data, f"{where}.source")
+    elif kind == "content":
+        content = source.get("content")
+        text = content if isinstance(content, str) else "\n".join(
+            str(b.get("text")) for b in content or () if isinstance(b, dict) and isinstance(b.get("text"), str))
+    else:
+        raise ApiError("invalid_request", f"'{where}.source' is a {kind!r} source; this server reads documents "
+                       f"sent inline (text, base64, content sources), never by URL or file id.",
+                       param=f"{where}.source")
+    return documents.render(text, block.title, block.context)
 
 
-def _text_of(blocks: str | list[Any] | None) -> str:
+def _text_of(blocks: str | list[Any] | None, where: str = "content") -> str:
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
     parts = []
-    for block in blocks:
+    for i, block in enumerate(blocks):
         if isinstance(block, TextBlock):
             parts.append(block.text)
+        elif isinstance(block, DocumentBlock):
+            parts.append(_document(block, f"{where}[{i}]"))
         elif isinstance(block, MediaBlock):
-            parts.append(_media_marker(block.type))
+            parts.append(documents.media_marker(block.type))
         elif isinstance(block, OtherBlock) and isinstance((block.model_extra or {}).get("text"), str):
             parts.append((block.model_extra or {})["text"])
     return "\n".join(parts)
@@ -205,18 +234,20 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
     if system:
         out.append(Message("system", system))
     tool_names: dict[str, str] = {}
-    for msg in body.messages:
+    for m, msg in enumerate(body.messages):
         if isinstance(msg.content, str):
             out.append(Message(msg.role, msg.content))
             continue
         texts: list[str] = []
         reasoning: list[str] = []
         calls: list[dict[str, Any]] = []
-        for block in msg.content:
+        for b, block in enumerate(msg.content):
             if isinstance(block, TextBlock):
                 texts.append(block.text)
+            elif isinstance(block, DocumentBlock):
+                texts.append(_document(block, f"messages[{m}].content[{b}]"))
             elif isinstance(block, MediaBlock):
-                texts.append(_media_marker(block.type))
+                texts.append(documents.media_marker(block.type))
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
             elif isinstance(block, ToolUseBlock):
@@ -224,7 +255,7 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": block.input}})
             elif isinstance(block, ToolResultBlock):
-                content = _text_of(block.content)
+                content = _text_of(block.content, f"messages[{m}].content[{b}].content")
                 if block.is_error:
                     content = f"Error: {content}"
                 out.append(Message("tool", content, name=tool_names.get(block.tool_use_id),
@@ -239,7 +270,8 @@ def _convert_messages(body: MessagesBody) -> list[Message]:
         if reasoning:
             extra.append(("reasoning_content", "\n".join(reasoning)))
         if texts or extra or msg.role == "assistant":
-            out.append(Message(msg.role, "".join(texts), extra=tuple(extra)))
+            images = sum(isinstance(block, MediaBlock) for block in msg.content)  # not those in tool results
+            out.append(Message(msg.role, "".join(texts), extra=tuple(extra), images=images))
     return out
 
 
@@ -264,6 +296,12 @@ def _tool_choice(choice: ToolChoiceIn | None) -> str | dict[str, Any] | None:
                            param="tool_choice.name")
         return {"name": choice.name}
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def _effort(output_config: dict[str, Any] | None) -> str | None:
+    """``output_config.effort`` (low / medium / high), Anthropic's grading of how hard the model thinks."""
+    effort = (output_config or {}).get("effort")
+    return effort if isinstance(effort, str) else None
 
 
 def decode_messages_request(body: bytes, request_id: str, created: int, *, count_only: bool = False) -> ChatRequest:
@@ -292,10 +330,13 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         parallel_tool_calls=not (parsed.tool_choice and parsed.tool_choice.disable_parallel_tool_use),
         response_format=decode_response_format((parsed.output_config or {}).get("format"), "output_config.format"),
         thinking=thinking,
+        reasoning_effort=_effort(parsed.output_config),
+        reasoning_budget=parsed.thinking.budget_tokens if parsed.thinking and parsed.thinking.type == "enabled" else None,
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,
         cache=CachePolicy(ttl_seconds=cache_control_ttl(parsed.model_dump(exclude_none=True))),
+        adapter=decode_adapter(parsed.adapter),
     )
 
 
@@ -307,8 +348,9 @@ def message_id(request: ChatRequest) -> str:
 
 
 def tool_use_id(call_id: str) -> str:
-    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``)."""
-    return call_id if call_id.startswith("toolu_") else "toolu_" + call_id.removeprefix("call_")
+    """Anthropic-style id for a call id minted by a parser (``call_X`` → ``toolu_X``); an id the model wrote
+    itself (Kimi K2's ``functions.NAME:0``) is the one its template expects back, so it stays as it is."""
+    return "toolu_" + call_id.removeprefix("call_") if call_id.startswith("call_") else call_id
 
 
 def thinking_signature(text: str) -> str:

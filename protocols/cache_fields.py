@@ -1,4 +1,4 @@
-"""Request fields that steer the prefix cache, shared by the protocols.
+"""Request fields that steer the prefix cache, shared by the protocols; and the ``adapter`` field.
 
 OpenAI-style bodies may carry three extension fields, which official clients
 never send and other servers ignore: ``session_id`` (a conversation's name, for
@@ -8,6 +8,8 @@ as one), ``cache_mode`` (``full``: keep prompt and answer for the next turn;
 after their last use; 0: memory only). Anthropic bodies say the same with
 ``cache_control`` marks: the longest ``ttl`` among them (``"5m"``, ``"1h"``) is
 the request's.
+
+Every protocol's body may also name LoRA adapters in an ``adapter`` field (see :mod:`protocols.adapter_spec`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class SessionFields(BaseModel):
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     cache_mode: Literal["full", "prefix"] = "full"
     ttl: float | None = Field(default=None, ge=0)
+    adapter: str | None = Field(default=None, max_length=512)
 
     def cache_policy(self) -> CachePolicy:
         return CachePolicy(mode=self.cache_mode, ttl_seconds=self.ttl,

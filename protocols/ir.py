@@ -116,6 +116,7 @@ class Message:
     content: str
     name: str | None = None
     extra: tuple[tuple[str, Any], ...] = ()
+    images: int = 0  # images the client attached to it (each a marker in ``content``: protocols.documents)
 
     def to_template(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
@@ -160,6 +161,8 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None  # None: free text
     thinking: bool | None = None  # None: the model's default
+    reasoning_effort: str | None = None  # low / medium / high as the client asked; None: not graded
+    reasoning_budget: int | None = None  # thinking tokens the client allows (Anthropic's budget_tokens)
     chat_template_kwargs: tuple[tuple[str, Any], ...] = ()
     # A raw prompt (legacy completions): used as is, no chat template. Text or token ids.
     prompt: str | tuple[int, ...] | None = None
@@ -167,6 +170,8 @@ class ChatRequest:
     created: int = 0
     user: str | None = None
     cache: CachePolicy = CachePolicy()
+    adapter: tuple[str, ...] | None = None  # LoRA adapter ids, stacked in order (None: the model id's default)
+    n: int = 1  # choices (OpenAI's n): rows of the batch sharing the prompt's prefill, events tagged by choice
     # A context limit below the model's (tokens of prompt + max_tokens; None: the model's own),
     # and what to do when the messages do not fit (None: the ``chat.prepare`` stage's setting).
     max_context: int | None = None
@@ -225,6 +230,7 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    choice: int = 0  # which of the request's choices (``n``) the tokens belong to
 
 
 Generation = Union[GenerationStarted, TokenChunk]
@@ -253,15 +259,20 @@ class ResponseStarted:
     cache_write_tokens: int = 0
 
 
+# Every event of a response's choices carries its ``choice`` (0 unless the request asked for several, ``n``).
+
+
 @dataclass(frozen=True)
 class TextDelta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()  # the tokens behind this text, when asked for
+    choice: int = 0
 
 
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -281,6 +292,7 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    choice: int = 0
 
 
 @dataclass(frozen=True)
@@ -289,6 +301,7 @@ class ResponseFinished:
     usage: Usage
     # Which stop string ended the text, if any (Anthropic reports it).
     stop_sequence: str | None = None
+    choice: int = 0  # the choice that finished; its usage counts its own completion tokens
 
 
 StreamEvent = Union[ResponseStarted, TextDelta, ReasoningDelta, ToolCallDelta, ResponseFinished]
@@ -310,6 +323,8 @@ class FinalResult:
     stop_sequence: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_text: str = ""
+    # The other choices (``n`` > 1), in order from choice 1; this result is choice 0 and its usage the total.
+    others: tuple[FinalResult, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -476,10 +491,9 @@ class WireFrame:
 
 
 @dataclass
-class ResultBuilder:
-    """Folds a stream of events into a :class:`FinalResult` (non-streaming responses)."""
+class _ChoiceBuilder:
+    """One choice's events folded."""
 
-    started: ResponseStarted | None = None
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
@@ -488,9 +502,7 @@ class ResultBuilder:
     finished: ResponseFinished | None = None
 
     def add(self, event: StreamEvent) -> None:
-        if isinstance(event, ResponseStarted):
-            self.started = event
-        elif isinstance(event, TextDelta):
+        if isinstance(event, TextDelta):
             self.text.append(event.text)
             self.logprobs.extend(event.logprobs)
         elif isinstance(event, ReasoningDelta):
@@ -502,22 +514,54 @@ class ResultBuilder:
         elif isinstance(event, ResponseFinished):
             self.finished = event
 
-    def result(self) -> FinalResult:
-        if self.started is None or self.finished is None:
-            raise ValueError("event stream ended without its header or its finish event")
+    def result(self, started: ResponseStarted, usage: Usage, others: tuple[FinalResult, ...] = ()) -> FinalResult:
+        assert self.finished is not None
         calls = tuple(
             ToolCall(id=self.call_heads[i][0], name=self.call_heads[i][1], arguments="".join(parts))
             for i, parts in sorted(self.calls.items())
         )
         return FinalResult(
-            request=self.started.request,
+            request=started.request,
             text="".join(self.text),
             reasoning="".join(self.reasoning),
             tool_calls=calls,
             finish_reason=self.finished.finish_reason,
-            usage=self.finished.usage,
+            usage=usage,
             stop_sequence=self.finished.stop_sequence,
             logprobs=tuple(self.logprobs),
-            prompt_text=self.started.prompt_text,
+            prompt_text=started.prompt_text,
+            others=others,
         )
 
+
+@dataclass
+class ResultBuilder:
+    """Folds a stream of events into a :class:`FinalResult` (non-streaming responses), choice by choice."""
+
+    started: ResponseStarted | None = None
+    choices: dict[int, _ChoiceBuilder] = field(default_factory=dict)
+
+    def add(self, event: StreamEvent) -> None:
+        if isinstance(event, ResponseStarted):
+            self.started = event
+        else:
+            self.choices.setdefault(event.choice, _ChoiceBuilder()).add(event)
+
+    @property
+    def finished(self) -> ResponseFinished | None:
+        """The last finish event, once every choice has finished (None before)."""
+        n = self.started.request.n if self.started is not None else 1
+        done = [c.finished for c in self.choices.values() if c.finished is not None]
+        return done[-1] if len(done) >= n else None
+
+    def result(self) -> FinalResult:
+        if self.started is None or self.finished is None:
+            raise ValueError("event stream ended without its header or its finish event")
+        started = self.started
+        ordered = [self.choices[i] for i in sorted(self.choices)]
+        finishes = [c.finished for c in ordered if c.finished is not None]
+        first = finishes[0].usage
+        usage = Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finishes), first.cached_tokens,
+                      first.cache_write_tokens)
+        others = tuple(c.result(started, f.usage) for c, f in zip(ordered[1:], finishes[1:]))
+        return ordered[0].result(started, usage, others)

@@ -11,11 +11,14 @@ the usage chunk with empty ``choices`` before ``[DONE]``.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols import documents
+from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import STATUS, ApiError
 from protocols.output_format import decode_response_format
@@ -52,7 +55,18 @@ class ImagePart(_Lenient):
     type: Literal["image_url", "input_image", "image"]
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class FileIn(_Lenient):
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(_Lenient):
+    type: Literal["file"]
+    file: FileIn
+
+
+ContentPart = Annotated[TextPart | ImagePart | FilePart, Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):
@@ -104,7 +118,7 @@ class OpenAISamplingFields(SessionFields):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
     user: str | None = None
 
     @field_validator("stop")
@@ -133,9 +147,6 @@ class OpenAISamplingFields(SessionFields):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling(self, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise ApiError("invalid_request", f"'n' must be 1 (got {self.n}); ask for several completions "
-                           "as separate requests.", param="n")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -170,13 +181,12 @@ def _content_text(content: str | list[Any] | None, where: str) -> str:
     texts = []
     for i, part in enumerate(content):
         if isinstance(part, ImagePart):
-            raise ApiError(
-                "invalid_request",
-                f"'{where}.content[{i}]' is an image; this server's text models accept only "
-                "'text' content parts.",
-                param=f"{where}.content[{i}]",
-            )
-        texts.append(part.text)
+            texts.append(documents.media_marker("image"))  # a text model refuses it in the last message
+        elif isinstance(part, FilePart):
+            texts.append(documents.attached_file(part.file.file_data, part.file.filename, f"{where}.content[{i}].file",
+                                                 has_reference=part.file.file_id is not None))
+        else:
+            texts.append(part.text)
     return "".join(texts)
 
 
@@ -203,8 +213,9 @@ def _message(msg: ChatMessageIn, index: int) -> Message:
         extra.append(("tool_call_id", msg.tool_call_id))
     if msg.reasoning_content:
         extra.append(("reasoning_content", msg.reasoning_content))
+    images = sum(isinstance(p, ImagePart) for p in msg.content) if isinstance(msg.content, list) else 0
     return Message(
-        role=role, content=_content_text(msg.content, where), name=msg.name, extra=tuple(extra)
+        role=role, content=_content_text(msg.content, where), name=msg.name, extra=tuple(extra), images=images
     )
 
 
@@ -232,11 +243,14 @@ def decode_chat_body(parsed: ChatCompletionBody, request_id: str, created: int) 
         response_format=decode_response_format(parsed.response_format, "response_format"),
         # reasoning_effort "none" switches thinking off; any other effort switches it on.
         thinking=None if parsed.reasoning_effort is None else parsed.reasoning_effort not in ("none", "minimal"),
+        reasoning_effort=parsed.reasoning_effort,
         chat_template_kwargs=tuple((parsed.chat_template_kwargs or {}).items()),
         request_id=request_id,
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
+        adapter=decode_adapter(parsed.adapter),
+        n=parsed.n,
     )
 
 
@@ -297,9 +311,7 @@ def assistant_message(result: FinalResult) -> Message:
     return Message("assistant", result.text, extra=tuple(extra))
 
 
-def encode_completion(result: FinalResult) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object."""
-    request = result.request
+def _choice_json(result: FinalResult, index: int) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": result.text or None}
     if not result.tool_calls and message["content"] is None:
         message["content"] = ""
@@ -308,18 +320,39 @@ def encode_completion(result: FinalResult) -> dict[str, Any]:
         message["reasoning"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = _tool_calls_json(result)
+    return {"index": index, "message": message, "finish_reason": result.finish_reason,
+            "logprobs": logprobs_json(result.logprobs) if result.request.sampling.logprobs is not None else None}
+
+
+def encode_completion(result: FinalResult) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` object, one entry of ``choices`` per choice (``n``)."""
+    request = result.request
     return {
         "id": completion_id(request),
         "object": "chat.completion",
         "created": request.created,
         "model": request.model,
-        "choices": [
-            {"index": 0, "message": message, "finish_reason": result.finish_reason,
-             "logprobs": logprobs_json(result.logprobs) if result.request.sampling.logprobs is not None else None}
-        ],
+        "choices": [_choice_json(r, i) for i, r in enumerate([result, *result.others])],
         "usage": usage_json(result.usage),
         "system_fingerprint": None,
     }
+
+
+class ChoiceCounter:
+    """Counts a stream's finished choices and their tokens: the stream ends, with the total usage, after the
+    last one."""
+
+    def __init__(self, request: ChatRequest) -> None:
+        self.left = request.n
+        self.completion_tokens = 0
+
+    def finish(self, event: ResponseFinished) -> Usage | None:
+        """The response's usage once this was the last choice to finish, else None."""
+        self.left -= 1
+        self.completion_tokens += event.usage.completion_tokens
+        if self.left > 0:
+            return None
+        return replace(event.usage, completion_tokens=self.completion_tokens)
 
 
 class ChatStreamEncoder:
@@ -327,14 +360,15 @@ class ChatStreamEncoder:
 
     def __init__(self, started: ResponseStarted) -> None:
         self.request = started.request
-        self._sent_role = False
+        self._sent_role: set[int] = set()
         self._usage_field = {"usage": None} if self.request.include_usage else {}
+        self._choices = ChoiceCounter(self.request)
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: tuple[TokenLogprob, ...] = ()) -> bytes:
-        if not self._sent_role:
+               logprobs: tuple[TokenLogprob, ...] = (), choice: int = 0) -> bytes:
+        if choice not in self._sent_role:
             delta = {"role": "assistant", **delta}
-            self._sent_role = True
+            self._sent_role.add(choice)
         return data_frame(
             {
                 "id": completion_id(self.request),
@@ -343,7 +377,7 @@ class ChatStreamEncoder:
                 "model": self.request.model,
                 "system_fingerprint": None,
                 "choices": [
-                    {"index": 0, "delta": delta, "finish_reason": finish_reason,
+                    {"index": choice, "delta": delta, "finish_reason": finish_reason,
                      "logprobs": logprobs_json(logprobs) if logprobs else None}
                 ],
                 **self._usage_field,
@@ -351,7 +385,7 @@ class ChatStreamEncoder:
         )
 
     def start(self) -> list[bytes]:
-        return [self._chunk({"content": ""})]
+        return [self._chunk({"content": ""}, choice=i) for i in range(self.request.n)]
 
     def keepalive(self) -> list[bytes]:
         return [SSE_COMMENT_KEEPALIVE]
@@ -360,10 +394,10 @@ class ChatStreamEncoder:
         if isinstance(event, TextDelta):
             if not event.text and not event.logprobs:
                 return []
-            return [self._chunk({"content": event.text}, logprobs=event.logprobs)]
+            return [self._chunk({"content": event.text}, logprobs=event.logprobs, choice=event.choice)]
         if isinstance(event, ReasoningDelta):
             text = event.text
-            return [self._chunk({"reasoning_content": text, "reasoning": text})] if text else []
+            return [self._chunk({"reasoning_content": text, "reasoning": text}, choice=event.choice)] if text else []
         if isinstance(event, ToolCallDelta):
             call: dict[str, Any] = {"index": event.index}
             function: dict[str, Any] = {"arguments": event.arguments}
@@ -372,9 +406,12 @@ class ChatStreamEncoder:
             if event.name is not None:
                 function = {"name": event.name, **function}
             call["function"] = function
-            return [self._chunk({"tool_calls": [call]})]
+            return [self._chunk({"tool_calls": [call]}, choice=event.choice)]
         if isinstance(event, ResponseFinished):
-            frames = [self._chunk({}, finish_reason=event.finish_reason)]
+            frames = [self._chunk({}, finish_reason=event.finish_reason, choice=event.choice)]
+            usage = self._choices.finish(event)
+            if usage is None:
+                return frames  # other choices are still running
             if self.request.include_usage:
                 frames.append(
                     data_frame(
@@ -385,7 +422,7 @@ class ChatStreamEncoder:
                             "model": self.request.model,
                             "system_fingerprint": None,
                             "choices": [],
-                            "usage": usage_json(event.usage),
+                            "usage": usage_json(usage),
                         }
                     )
                 )

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
+from protocols.adapter_spec import decode_adapter
 from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
@@ -27,7 +28,14 @@ from protocols.ir import (
     TokenLogprob,
 )
 from protocols.codec import SSE_COMMENT_KEEPALIVE
-from protocols.openai_chat import OpenAISamplingFields, error_body, error_frames, error_status, usage_json
+from protocols.openai_chat import (
+    ChoiceCounter,
+    OpenAISamplingFields,
+    error_body,
+    error_frames,
+    error_status,
+    usage_json,
+)
 from protocols.sse import DONE, data_frame
 from protocols.validation import parse_json_body
 
@@ -88,6 +96,8 @@ def decode_completion_request(body: bytes, request_id: str, created: int) -> Cha
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
+        adapter=decode_adapter(parsed.adapter),
+        n=parsed.n,
         context=CompletionsContext(echo=parsed.echo),
     )
 
@@ -130,34 +140,41 @@ def _body(request: ChatRequest, choices: list[dict[str, Any]], **extra: Any) -> 
             "model": request.model, "system_fingerprint": None, "choices": choices, **extra}
 
 
-def _choice(text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def _choice(text: str, logprobs: dict[str, Any] | None, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def encode_completion(result: FinalResult) -> dict[str, Any]:
-    request = result.request
-    prefix = _echo(request, result.prompt_text)
+def _final_choice(result: FinalResult, index: int) -> dict[str, Any]:
+    prefix = _echo(result.request, result.prompt_text)
     logprobs = None
-    if request.sampling.logprobs is not None:
+    if result.request.sampling.logprobs is not None:
         acc = _Logprobs(len(prefix))
         acc.add(result.logprobs)
         logprobs = acc.json()
     finish = "stop" if result.finish_reason == "tool_calls" else result.finish_reason
-    return _body(request, [_choice(prefix + result.text, logprobs, finish)], usage=usage_json(result.usage))
+    return _choice(prefix + result.text, logprobs, finish, index)
+
+
+def encode_completion(result: FinalResult) -> dict[str, Any]:
+    choices = [_final_choice(r, i) for i, r in enumerate([result, *result.others])]
+    return _body(result.request, choices, usage=usage_json(result.usage))
 
 
 class CompletionStreamEncoder:
     def __init__(self, started: ResponseStarted) -> None:
         self.request = started.request
         self.prefix = _echo(self.request, started.prompt_text)
-        self.logprobs = _Logprobs(len(self.prefix)) if self.request.sampling.logprobs is not None else None
+        wants = self.request.sampling.logprobs is not None
+        self.logprobs = [_Logprobs(len(self.prefix)) if wants else None for _ in range(self.request.n)]
         self._usage_field = {"usage": None} if self.request.include_usage else {}
+        self._choices = ChoiceCounter(self.request)
 
-    def _chunk(self, text: str, logprobs: dict[str, Any] | None = None, finish: str | None = None) -> bytes:
-        return data_frame(_body(self.request, [_choice(text, logprobs, finish)], **self._usage_field))
+    def _chunk(self, text: str, logprobs: dict[str, Any] | None = None, finish: str | None = None,
+               choice: int = 0) -> bytes:
+        return data_frame(_body(self.request, [_choice(text, logprobs, finish, choice)], **self._usage_field))
 
     def start(self) -> list[bytes]:
-        return [self._chunk(self.prefix)] if self.prefix else []
+        return [self._chunk(self.prefix, choice=i) for i in range(self.request.n)] if self.prefix else []
 
     def keepalive(self) -> list[bytes]:
         return [SSE_COMMENT_KEEPALIVE]
@@ -166,13 +183,17 @@ class CompletionStreamEncoder:
         if isinstance(event, TextDelta):
             if not event.text and not event.logprobs:
                 return []
-            logprobs = self.logprobs.add(event.logprobs) if self.logprobs is not None else None
-            return [self._chunk(event.text, logprobs)]
+            acc = self.logprobs[event.choice]
+            logprobs = acc.add(event.logprobs) if acc is not None else None
+            return [self._chunk(event.text, logprobs, choice=event.choice)]
         if isinstance(event, ResponseFinished):
             finish = "stop" if event.finish_reason == "tool_calls" else event.finish_reason
-            frames = [self._chunk("", None, finish)]
+            frames = [self._chunk("", None, finish, event.choice)]
+            usage = self._choices.finish(event)
+            if usage is None:
+                return frames  # other choices are still running
             if self.request.include_usage:
-                frames.append(data_frame(_body(self.request, [], usage=usage_json(event.usage))))
+                frames.append(data_frame(_body(self.request, [], usage=usage_json(usage))))
             frames.append(DONE)
             return frames
         return []

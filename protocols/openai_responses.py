@@ -28,6 +28,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from protocols.codec import SSE_COMMENT_KEEPALIVE
+from protocols import documents
+from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import ApiError
 from protocols.ir import (
@@ -50,7 +52,6 @@ from protocols.output_format import decode_response_format, encode_text_format
 from protocols.sse import event_frame
 from protocols.validation import json_object_argument, parse_json_body
 
-MEDIA_MARKER = "[{kind} omitted: this model reads text only]"
 
 
 @dataclass(frozen=True)
@@ -124,15 +125,19 @@ class ResponsesBody(SessionFields):
     user: str | None = None
 
 
-def _parts_text(content: str | list[ContentPart] | None) -> str:
+def _parts_text(content: str | list[ContentPart] | None, where: str = "input") -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
-    for part in content:
+    for i, part in enumerate(content):
+        extra = part.model_extra or {}
         if part.text is not None:
             texts.append(part.text)
-        elif part.type in ("input_image", "input_file", "input_audio"):
-            texts.append(MEDIA_MARKER.format(kind=part.type.removeprefix("input_")))
+        elif part.type == "input_file":
+            texts.append(documents.attached_file(extra.get("file_data"), extra.get("filename"), f"{where}[{i}]",
+                                                 has_reference=bool(extra.get("file_id") or extra.get("file_url"))))
+        elif part.type in ("input_image", "input_audio"):
+            texts.append(documents.media_marker(part.type.removeprefix("input_")))
     return "".join(texts)
 
 
@@ -144,12 +149,12 @@ class _Conversation:
         self._reasoning: list[str] = []
         self._names: dict[str, str] = {}
 
-    def message(self, role: str, content: str) -> None:
+    def message(self, role: str, content: str, images: int = 0) -> None:
         extra: tuple[tuple[str, Any], ...] = ()
         if role == "assistant" and self._reasoning:
             extra = (("reasoning_content", "\n".join(self._reasoning)),)
             self._reasoning = []
-        self.messages.append(Message(role, content, extra=extra))  # type: ignore[arg-type]
+        self.messages.append(Message(role, content, extra=extra, images=images))  # type: ignore[arg-type]
 
     def call(self, call_id: str, name: str, arguments: dict[str, Any]) -> None:
         self._names[call_id] = name
@@ -183,7 +188,8 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
             if item.role is None:
                 raise ApiError("invalid_request", f"'{where}.role' is required for a message item.",
                                param=f"{where}.role")
-            conv.message(item.role, _parts_text(item.content))
+            images = sum(p.type == "input_image" for p in item.content) if isinstance(item.content, list) else 0
+            conv.message(item.role, _parts_text(item.content, f"{where}.content"), images)
         elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
                 raise ApiError("invalid_request", f"'{where}' needs 'call_id' and 'name'.", param=where)
@@ -193,7 +199,7 @@ def _convert_input(body: ResponsesBody, conv: _Conversation) -> None:
         elif item.type in ("function_call_output", "custom_tool_call_output"):
             if not item.call_id:
                 raise ApiError("invalid_request", f"'{where}.call_id' is required.", param=f"{where}.call_id")
-            conv.output(item.call_id, _parts_text(item.output))
+            conv.output(item.call_id, _parts_text(item.output, f"{where}.output"))
         elif item.type == "reasoning":
             conv.reasoning(_parts_text(item.content) or _parts_text(item.summary))
         # Other item types (item_reference, web_search_call, …) describe work of built-in
@@ -273,10 +279,12 @@ def decode_responses_request(body: bytes, request_id: str, created: int, previou
         parallel_tool_calls=parsed.parallel_tool_calls,
         response_format=response_format,
         thinking=None if effort is None else effort not in ("none", "minimal"),
+        reasoning_effort=effort,
         request_id=request_id,
         created=created,
         user=parsed.user,
         cache=parsed.cache_policy(),
+        adapter=decode_adapter(parsed.adapter),
         context=ResponsesContext(echo=echo, history_start=start),
     )
 

@@ -94,6 +94,7 @@ best tokens (within ~1 ulp) could still go the other way.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import statistics
@@ -109,11 +110,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.ir import CachePolicy, FinishReason, SamplingParams, TokenChunk, TokenLogprob
+from runtime.adapters import Adapter, AdapterSet
 from runtime.device import DeviceThread
 from runtime.constrained import Constraint
 from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
+from runtime.pass_cost import PassCost
+from runtime.speculative import DraftState, greedy_accepts, sampled_verify, worth_verifying
 from runtime.engine_config import EngineConfig, EngineOverloaded
+from runtime.model_memory import kv_bytes_per_token
 
 log = logging.getLogger("flow.engine")
 
@@ -154,6 +159,8 @@ class _Sequence:
     stop_ids: frozenset[int]
     sampler: SequenceSampler
     policy: CachePolicy = CachePolicy()
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters applied to its rows (stacked in this order)
+    namespace: bytes = b""  # its prefix-cache namespace: the model's, or the model's with its adapters'
     hit: PrefixHit | None = None  # prefix-cache blocks to build ``cache`` from, until it is built
     keys: BlockKeys | None = None  # its block keys, extended by each store
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
@@ -162,6 +169,9 @@ class _Sequence:
     fresh: bool = False  # in the batch, and its input this step is its first token (already handed out)
     generated: int = 0
     history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
+    # More choices of the same request: they wait with this sequence, and join the batch with copies of its cache.
+    followers: list[_Sequence] = field(default_factory=list)
+    draft: DraftState | None = None  # speculative decoding: its history and draft length (made on first use)
     submitted_at: float = field(default_factory=time.perf_counter)
 
 
@@ -261,6 +271,9 @@ class EngineStats:
     kv_bytes: int = 0  # KV cache bytes held by all sequences after the last step
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    speculative_steps: int = 0  # decode steps that verified drafts
+    draft_tokens: int = 0  # tokens proposed by speculative decoding
+    accepted_tokens: int = 0  # of those, the ones the model accepted
 
 
 class Engine:
@@ -276,7 +289,11 @@ class Engine:
         self.prefix_unsupported = windows if isinstance(windows, str) and prefix is not None else None
         self.windows = windows if not isinstance(windows, str) else ()
         self.prefix = prefix if self.prefix_unsupported is None else None
+        if self.prefix is not None and self.prefix.config.disk_kv_bits:
+            # Quantized blocks on disk and full ones never share keys (nor a restart with another setting).
+            namespace = hashlib.sha256(namespace + f"kv-q{self.prefix.config.disk_kv_bits}".encode()).digest()[:16]
         self.namespace = namespace
+        self.adapters = AdapterSet(model)  # mounted LoRA adapters, applied per row
         self.stats = EngineStats()
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -292,6 +309,8 @@ class Engine:
         # like mlx_lm.generate_step). On the CPU it computes most of the step before returning,
         # so read and hand out step n first, then launch n+1.
         self._launch_first = mx.default_device().type != mx.DeviceType.cpu
+        # Decode forward passes' seconds by the tokens they hold: whether verifying drafts pays (CPU).
+        self._step_cost = PassCost(weight=0.05)
         # Recent history for rates, TTFT and retry-after estimates (device thread writes).
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=64)
         self._ttfts: deque[float] = deque(maxlen=64)
@@ -299,7 +318,8 @@ class Engine:
         device.add_stepper(self)
 
     # ------------------------------------------------------------------ trio side
-    async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy()) -> PrefixHit | None:
+    async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy(),
+                           adapters: tuple[Adapter, ...] = ()) -> PrefixHit | None:
         """The prefix cache's longest match for ``prompt`` (None without a cache); pass it to :meth:`submit`.
 
         Runs on a worker thread: a warm match reads its blocks from disk. The thread cannot be abandoned, so
@@ -309,7 +329,7 @@ class Engine:
         if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
             return None
         prefix = self.prefix
-        hit = await trio.to_thread.run_sync(prefix.match, self.namespace, prompt, self.windows,
+        hit = await trio.to_thread.run_sync(prefix.match, self.namespace_for(adapters), prompt, self.windows,
                                             policy.ttl_seconds)
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -320,23 +340,35 @@ class Engine:
 
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
                prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy(),
-               constraint: Constraint | None = None) -> SequenceHandle:
+               constraint: Constraint | None = None, adapters: tuple[Adapter, ...] = ()) -> SequenceHandle:
         """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
 
         ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
         takes over its references (also when it refuses the sequence).
         ``policy`` says what of the sequence the prefix cache keeps; ``constraint`` (structured output) masks
-        the tokens its grammar does not allow at each step.
+        the tokens its grammar does not allow at each step; ``adapters`` (mounted on this engine) apply to its
+        rows, and ``prefix`` must come from a match with the same adapters.
         """
+        return self.submit_choices(prompt, [(sampling, constraint)], max_tokens=max_tokens, stop_ids=stop_ids,
+                                   prefix=prefix, policy=policy, adapters=adapters)[0]
+
+    def submit_choices(self, prompt: list[int], choices: list[tuple[SamplingParams, Constraint | None]], *,
+                       max_tokens: int, stop_ids: frozenset[int], prefix: PrefixHit | None = None,
+                       policy: CachePolicy = CachePolicy(), adapters: tuple[Adapter, ...] = ()
+                       ) -> list[SequenceHandle]:
+        """Queue one sequence per choice (its sampling and constraint) for one prompt, prefilled **once**: the
+        choices become rows of the batch from copies of the first one's cache, each sampling its own tokens."""
         try:
-            return self._submit(prompt, max_tokens, stop_ids, SequenceSampler(sampling, constraint), prefix, policy)
+            samplers = [SequenceSampler(sampling, constraint) for sampling, constraint in choices]
+            return self._submit(prompt, max_tokens, stop_ids, samplers, prefix, policy, adapters)
         except BaseException:
             if prefix is not None and self.prefix is not None:
                 self.prefix.release(prefix)
             raise
 
-    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], sampler: SequenceSampler,
-                prefix: PrefixHit | None, policy: CachePolicy) -> SequenceHandle:
+    def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], samplers: list[SequenceSampler],
+                prefix: PrefixHit | None, policy: CachePolicy, adapters: tuple[Adapter, ...]
+                ) -> list[SequenceHandle]:
         if not prompt:
             raise ValueError("a sequence needs at least one prompt token")
         if max_tokens < 1:
@@ -351,22 +383,66 @@ class Engine:
             retry = self._retry_after(waiting - self.config.max_queue + 1)
             raise EngineOverloaded(f"{waiting} requests are already waiting for this model "
                                    f"(max_queue {self.config.max_queue})", retry)
-        send, receive = trio.open_memory_channel[TokenChunk](float("inf"))
-        handle = SequenceHandle(self, next(self._ids), send, receive)
-        seq = _Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
-                        max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
-                        policy=policy, hit=prefix, prefilled=cached_tokens,
-                        keys=prefix.keys if prefix is not None else None)
-        handle.cached_tokens = cached_tokens
-        if self.prefix is not None:
-            b = self.prefix.config.block_tokens
-            handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
+        seqs = []
+        for i, sampler in enumerate(samplers):
+            send, receive = trio.open_memory_channel[TokenChunk](float("inf"))
+            handle = SequenceHandle(self, next(self._ids), send, receive)
+            seqs.append(_Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
+                                  max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
+                                  policy=policy, adapters=adapters, namespace=self.namespace_for(adapters),
+                                  hit=prefix if i == 0 else None, prefilled=cached_tokens,
+                                  keys=prefix.keys if prefix is not None and i == 0 else None))
+            handle.cached_tokens = cached_tokens
+            if self.prefix is not None and i == 0:  # the choices after the first share its prefill
+                b = self.prefix.config.block_tokens
+                handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
+        leader = seqs[0]
+        leader.followers = seqs[1:]
         with self._lock:
-            self._inbox.append(seq)
-            self.stats.submitted += 1
+            self._inbox.append(leader)
+            self.stats.submitted += len(seqs)
             self.stats.cached_tokens += cached_tokens
         self.device.wake()
-        return handle
+        return [s.handle for s in seqs]
+
+    def namespace_for(self, adapters: tuple[Adapter, ...]) -> bytes:
+        """The prefix-cache namespace of sequences run with ``adapters``: the model's, or one derived from it
+        and the adapters' digests (their weights and config, never their names), in stacking order."""
+        if not adapters:
+            return self.namespace
+        return hashlib.sha256(self.namespace + b"".join(a.digest for a in adapters)).digest()[:16]
+
+    # ------------------------------------------------------------------ adapters (device thread, between steps)
+    def mount_adapter(self, adapter: Adapter) -> None:
+        """Mount an adapter :func:`runtime.adapters.load_adapter` checked (a device-thread job)."""
+        self.adapters.mount(adapter)
+
+    def unmount_adapter(self, adapter: Adapter) -> int:
+        """Unmount an adapter (a device-thread job): at once when no sequence uses it, else once the last
+        one that does has left. Returns how many sequences still use it."""
+        adapter.retiring = True
+        users = self._users_of(adapter)
+        if not users:
+            self.adapters.unmount(adapter)
+        return users
+
+    def _users_of(self, adapter: Adapter) -> int:
+        with self._lock:
+            queued = list(self._inbox)
+        seqs = [*queued, *self._waiting, *(s for r in self._ready for s in r.seqs), *self._batch.seqs]
+        return sum(adapter in s.adapters for s in seqs)
+
+    def _sweep_adapters(self) -> None:
+        for adapter in [a for a in self.adapters.adapters if a.retiring]:
+            if not self._users_of(adapter):
+                self.adapters.unmount(adapter)
+
+    def _forward(self, inputs: mx.array, cache: list[Any], seqs: list[_Sequence]) -> mx.array:
+        """The model on ``inputs`` (one row per sequence), each row with its sequence's adapters."""
+        if self.adapters:
+            self.adapters.route([s.adapters for s in seqs])
+        logits: mx.array = self.model(inputs, cache=cache)
+        return logits
 
     def _cancel(self, seq_id: int) -> None:
         with self._lock:
@@ -477,6 +553,8 @@ class Engine:
             self._rates.append((now, s.generated_tokens, s.prompt_tokens))
         if s.steps % 256 == 0 or not self.has_work():
             mx.clear_cache()
+        if self.adapters:
+            self._sweep_adapters()
         self._deliver(out)
 
     def _update_gauges(self) -> None:
@@ -503,12 +581,9 @@ class Engine:
                 return
             cancelled, self._cancelled = self._cancelled, set()
             # Within a step, sequences submitted since its start are still in the inbox: they leave from there.
-            dropped = [s for s in self._inbox if s.handle.id in cancelled]
-            if dropped:
-                self._inbox = deque(s for s in self._inbox if s.handle.id not in cancelled)
-        if any(s.handle.id in cancelled for s in self._waiting):
-            dropped += [s for s in self._waiting if s.handle.id in cancelled]
-            self._waiting = deque(s for s in self._waiting if s.handle.id not in cancelled)
+            self._inbox, dropped = _without(self._inbox, cancelled)
+        self._waiting, more = _without(self._waiting, cancelled)
+        dropped += more
         for seq in dropped:
             self._drop_hit(seq)
             seq.cache = None  # its own cache (a prefill in progress) is freed now, not with the step
@@ -564,6 +639,8 @@ class Engine:
                 self.stats.grouped_prefills += 1
                 continue
             seq = self._waiting[0]
+            if seq.followers and self._room() < 1 + len(seq.followers) and (self._batch.seqs or self._ready):
+                break  # its choices start together, when the batch has a row for each
             remaining = len(seq.prompt) - 1 - seq.prefilled
             if remaining > 0:
                 if budget <= 0:
@@ -573,7 +650,7 @@ class Engine:
                     if seq.cache is None:
                         seq.cache = self._new_cache(seq)
                     chunk = mx.array(seq.prompt[seq.prefilled : seq.prefilled + n])
-                    self.model(chunk[None], cache=seq.cache)
+                    self._forward(chunk[None], seq.cache, [seq])
                     mx.eval([c.state for c in seq.cache])
                 except Exception as exc:
                     log.exception("prefill failed; failing its sequence")
@@ -587,13 +664,16 @@ class Engine:
                 self._keep_prefix(seq, _own_slicer(seq.cache))
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._waiting.popleft()
+            choices, seq.followers = [seq, *seq.followers], []
             try:
                 if seq.cache is None:
                     seq.cache = self._new_cache(seq)  # nothing (more) to prefill
-                self._start(_Rows.merge([seq]), out)
+                for follower in choices[1:]:
+                    follower.cache, follower.prefilled = seq.cache, seq.prefilled  # merged into copies below
+                self._start(_Rows.merge(choices), out)
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
-                self._fail([seq], exc, out)
+                self._fail(choices, exc, out)
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _group(self, budget: int) -> list[_Sequence]:
@@ -603,7 +683,7 @@ class Engine:
         room = self._room()
         for seq in self._waiting:
             n = len(seq.prompt) - 1
-            if seq.cache is not None or seq.hit is not None or n < 1 or len(group) >= room:
+            if seq.cache is not None or seq.hit is not None or seq.followers or n < 1 or len(group) >= room:
                 break
             if max(longest, n) * (len(group) + 1) > budget:
                 break
@@ -621,7 +701,7 @@ class Engine:
         if any(padding):
             for c in rows.cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        self.model(tokens, cache=rows.cache)
+        self._forward(tokens, rows.cache, group)
         if any(padding):
             for c in rows.cache:
                 c.finalize()  # the padding moves to the left, where the batch expects it
@@ -636,7 +716,7 @@ class Engine:
         wait in ready for the batch."""
         seqs = rows.seqs
         last = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
-        logits = self.model(last[:, None], cache=rows.cache)[:, -1, :]
+        logits = self._forward(last[:, None], rows.cache, seqs)[:, -1, :]
         contexts = [mx.array(s.prompt[-s.sampler.history_window :], dtype=mx.uint32) if s.sampler.processors
                     else None for s in seqs]
         sample = sample_batch(logits, [s.sampler for s in seqs], contexts)
@@ -698,12 +778,17 @@ class Engine:
         """One forward pass for every row; hand out the tokens sampled last step.
 
         On a GPU the pass is launched here; on the CPU it is returned, for :meth:`_launch` once the
-        step's other work is done (there ``async_eval`` computes it before returning)."""
+        step's other work is done (there ``async_eval`` computes it before returning). With speculative
+        decoding, a step whose rows have drafts verifies them instead (:meth:`_decode_speculative`)."""
         start = time.perf_counter()
         batch = self._batch
         inputs = batch.inputs
         assert inputs is not None
-        logits = self.model(inputs[:, None], cache=batch.cache)[:, -1, :]
+        drafts = self._drafts(inputs)
+        if drafts is not None:
+            self._decode_speculative(out, drafts[0], drafts[1], start)
+            return []
+        logits = self._forward(inputs[:, None], batch.cache, batch.seqs)[:, -1, :]
         contexts: list[mx.array | None] = []
         for i, seq in enumerate(batch.seqs):
             if not seq.sampler.processors:
@@ -762,17 +847,8 @@ class Engine:
                 if seq.generated >= seq.max_tokens:
                     finish = "length"
             out.append((seq, TokenChunk(tokens, finish, lps)))
-            if finish is None:
-                keep.append(i)
-            else:
-                self.stats.finished += 1
-                self._finish_times.append(now)
-                finished_rows.append(i)
-        if self.prefix is not None:
-            for i in finished_rows:
-                seq = batch.seqs[i]
-                if seq.policy.mode == "full":
-                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
+            (keep if finish is None else finished_rows).append(i)
+        self._retire(batch, finished_rows, now)
         batch.inputs = sample.tokens
         batch.report = (list(batch.seqs), sample.report) if sample.report else None
         batch.keep(keep)
@@ -788,12 +864,128 @@ class Engine:
         out.clear()
         return launch
 
+    def _retire(self, batch: _DecodeBatch, finished_rows: list[int], now: float) -> None:
+        """Count the rows that finished this step; with ``cache_mode = "full"``, give the prefix cache their
+        prompt and answer, read from their batch rows before the rows are dropped."""
+        self.stats.finished += len(finished_rows)
+        self._finish_times.extend([now] * len(finished_rows))
+        if self.prefix is not None:
+            for i in finished_rows:
+                seq = batch.seqs[i]
+                if seq.policy.mode == "full":
+                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.prompt + seq.fed)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _drafts(self, inputs: mx.array) -> tuple[list[int], list[list[int]]] | None:
+        """This step's inputs and each row's draft, when the step should verify drafts: speculation on, a
+        batch small enough, every row plain (no penalties, grammar or logprobs) and some row with a draft."""
+        spec = self.config.speculative
+        batch = self._batch
+        if spec.kind == "off" or len(batch) > spec.max_batch or batch.report is not None:
+            return None
+        if not all(s.sampler.plain for s in batch.seqs) or not all(type(c) is BatchKVCache for c in batch.cache):
+            return None
+        values: list[int] = inputs.tolist()  # type: ignore[assignment]
+        drafts = []
+        for seq, value in zip(batch.seqs, values):
+            state = seq.draft
+            if state is None:
+                state = seq.draft = DraftState(spec)
+                state.extend(seq.prompt)
+            known = state.count - len(seq.prompt)
+            if known < len(seq.fed):
+                state.extend(seq.fed[known:])
+            state.extend([value])  # the input: its KV is kept whatever the verification says
+            room = seq.max_tokens - seq.generated - (0 if seq.fresh else 1)
+            drafts.append(state.propose(max(0, room)))
+        width = worth_verifying(drafts, [s.draft for s in batch.seqs if s.draft is not None],
+                                None if self._launch_first else self._step_cost)
+        if width == 0:
+            for seq in batch.seqs:  # this step decodes as usual: its inputs join the histories then
+                assert seq.draft is not None
+                seq.draft.count -= 1
+            return None
+        return values, [d[:width] for d in drafts]
+
+    def _decode_speculative(self, out: list[tuple[_Sequence, TokenChunk | None]], values: list[int],
+                            drafts: list[list[int]], start: float) -> None:
+        """One forward pass over each row's input and draft; keep what the model accepts.
+
+        Each row keeps its input's KV and its accepted draft tokens' (the rest is trimmed from its cache row:
+        uniformly where rows agree, by rolling the remainder into left padding where they differ), hands out
+        its input (unless fresh) and accepted tokens, and takes the model's own next token as its next input."""
+        batch = self._batch
+        width = max(len(d) for d in drafts)
+        window = mx.array([[v, *d, *([v] * (width - len(d)))] for v, d in zip(values, drafts)], dtype=mx.uint32)
+        logits = self._forward(window, batch.cache, batch.seqs)
+        launched = time.perf_counter()
+        mx.async_eval(logits)  # type: ignore[no-untyped-call]  # timed as a plain step's launch is, for the cost fit
+        self._step_cost.add(len(values) * (width + 1), time.perf_counter() - launched)
+        greedy = [s.sampler.greedy for s in batch.seqs]
+        targets: list[list[int]] = mx.argmax(logits, axis=-1).tolist() if any(greedy) else []  # type: ignore[assignment]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if not all(greedy) else logits
+        now = time.perf_counter()
+        keep: list[int] = []
+        finished_rows: list[int] = []
+        next_inputs: list[int] = []
+        trims: list[int] = []
+        emitted = 0
+        for i, seq in enumerate(batch.seqs):
+            draft = drafts[i]
+            if greedy[i]:
+                accepted = greedy_accepts(targets[i], draft)
+                following = targets[i][accepted]
+            else:
+                accepted, following = sampled_verify(seq.sampler, logprobs[i, : len(draft) + 1], draft)
+            assert seq.draft is not None
+            seq.draft.extend(draft[:accepted])
+            seq.draft.record(len(draft), accepted)
+            self.stats.draft_tokens += len(draft)
+            self.stats.accepted_tokens += accepted
+            seq.fed.extend([values[i], *draft[:accepted]])
+            trims.append(width - accepted)
+            next_inputs.append(following)
+            handed = draft[:accepted] if seq.fresh else [values[i], *draft[:accepted]]
+            seq.fresh = False
+            tokens: list[int] = []
+            finish: FinishReason | None = None
+            for token in handed:
+                if token in seq.stop_ids:
+                    finish = "stop"
+                    break
+                if seq.generated == 0:
+                    self._ttfts.append(now - seq.submitted_at)
+                tokens.append(token)
+                seq.generated += 1
+                if seq.generated >= seq.max_tokens:
+                    finish = "length"
+                    break
+            emitted += len(tokens)
+            if tokens or finish is not None:
+                out.append((seq, TokenChunk(tuple(tokens), finish)))
+            (keep if finish is None else finished_rows).append(i)
+        _trim_rows(batch.cache, trims)
+        self._retire(batch, finished_rows, now)
+        batch.inputs = mx.array(next_inputs, dtype=mx.uint32)
+        batch.report = None
+        batch.keep(keep)
+        self.stats.generated_tokens += emitted
+        self.stats.decode_steps += 1
+        self.stats.speculative_steps += 1
+        self.stats.decode_seconds += time.perf_counter() - start
+        if not self._launch_first:
+            self._update_gauges()
+            self._deliver(out)
+            out.clear()
+
     def _launch(self, launch: list[mx.array]) -> None:
         """Compute a decode pass :meth:`_decode` left to launch (CPU), counted as decode time."""
         if launch:
             start = time.perf_counter()
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
-            self.stats.decode_seconds += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.stats.decode_seconds += seconds
+            self._step_cost.add(int(launch[0].shape[0]), seconds)
 
     @staticmethod
     def _read_report(batch: _DecodeBatch, values: list[int]) -> dict[_Sequence, TokenLogprob]:
@@ -809,6 +1001,7 @@ class Engine:
 
     def _fail(self, seqs: list[_Sequence], exc: BaseException,
               out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        seqs = [*seqs, *(f for s in seqs for f in s.followers)]  # a queued sequence's choices fail with it
         self.stats.failed += len(seqs)
         for seq in seqs:
             seq.handle.error = exc
@@ -838,9 +1031,9 @@ class Engine:
         last = tokens is not None or seq.policy.mode == "prefix"
         ends = tokens is not None or seq.prefilled >= len(seq.prompt) - 1  # the prompt's end, or the finish
         if seq.keys is None:
-            seq.keys = BlockKeys(self.namespace, self.prefix.config.block_tokens)
+            seq.keys = BlockKeys(seq.namespace, self.prefix.config.block_tokens)
         try:
-            self.prefix.store(self.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
+            self.prefix.store(seq.namespace, tokens if tokens is not None else seq.prompt[: seq.prefilled], slicer,
                               tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
                               session_id=seq.policy.session_id if last else None, keys=seq.keys)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
@@ -857,6 +1050,30 @@ class Engine:
                 token.run_sync_soon(_send_all, items)
             except trio.RunFinishedError:
                 pass  # the server's trio run is gone; nobody is listening
+
+
+def _without(queue: deque[_Sequence], cancelled: set[int]) -> tuple[deque[_Sequence], list[_Sequence]]:
+    """A queue of waiting sequences without the cancelled ones (and the list of those). A cancelled sequence
+    whose choices live on hands its place — cache, prefix hit, prefill progress — to the first of them."""
+    if not any(s.handle.id in cancelled or any(f.handle.id in cancelled for f in s.followers) for s in queue):
+        return queue, []
+    kept: deque[_Sequence] = deque()
+    dropped: list[_Sequence] = []
+    for seq in queue:
+        alive = [f for f in seq.followers if f.handle.id not in cancelled]
+        dropped += [f for f in seq.followers if f.handle.id in cancelled]
+        seq.followers = alive
+        if seq.handle.id not in cancelled:
+            kept.append(seq)
+            continue
+        dropped.append(seq)
+        if alive:
+            heir = alive[0]
+            heir.cache, heir.hit, heir.prefilled, heir.keys = seq.cache, seq.hit, seq.prefilled, seq.keys
+            heir.followers = alive[1:]
+            seq.cache, seq.hit, seq.followers = None, None, []
+            kept.append(heir)
+    return kept, dropped
 
 
 def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
@@ -923,6 +1140,20 @@ def _row_slicer(cache: list[Any], row: int) -> Slicer:
     return _slicer(cache, row)
 
 
+def _trim_rows(cache: list[Any], trims: list[int]) -> None:
+    """Drop each row's last ``trims[i]`` positions from a batch cache (the draft tokens it rejected): the
+    amount all rows share is trimmed, the rest of each row is rolled into its left padding (mlx-lm's own
+    right-padding mechanism), so every row's positions stay contiguous and end together."""
+    common = min(trims)
+    rest = [t - common for t in trims]
+    for layer in cache:
+        if common:
+            layer.trim(common)
+        if any(rest):
+            layer.prepare(right_padding=rest)
+            layer.finalize()
+
+
 def _merge_caches(caches: list[list[Any]]) -> list[Any]:
     """Single-sequence caches (one list per sequence) → one left-padded batch cache per layer."""
     merged = []
@@ -940,14 +1171,10 @@ def _kv_bytes_per_token(model: Any) -> int:
     def get(key: str) -> Any:
         return text.get(key) if isinstance(text, dict) else getattr(args, key, None)
 
-    layers = get("num_hidden_layers") or len(getattr(model, "layers", ()))
-    heads = get("num_attention_heads") or 1
-    kv_heads = get("num_key_value_heads") or heads
-    head_dim = get("head_dim") or (get("hidden_size") or 0) // heads
     itemsize = 2
     for item in tree_flatten(model.parameters()):
         value = item[1] if isinstance(item, tuple) else None
         if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
             itemsize = value.dtype.size
             break
-    return int(layers * kv_heads * head_dim * 2 * itemsize)
+    return kv_bytes_per_token(get, len(getattr(model, "layers", ())), itemsize)

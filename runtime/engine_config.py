@@ -9,12 +9,36 @@ Strategy = Literal["decode_first", "prefill_first", "balanced"]
 STRATEGIES: tuple[Strategy, ...] = ("decode_first", "prefill_first", "balanced")
 
 
+SpeculativeKind = Literal["off", "ngram"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step a row may propose up to ``max_draft`` tokens that the model verifies in
+    the same forward pass. ``ngram``: prompt lookup, the continuation of the latest earlier occurrence of the
+    row's last ``min_ngram``..``max_ngram`` tokens in its own prompt and output. Steps whose batch has more than
+    ``max_batch`` rows decode as usual (verifying drafts costs compute a full batch no longer has to spare)."""
+
+    kind: SpeculativeKind = "off"
+    max_draft: int = 8
+    min_ngram: int = 2
+    max_ngram: int = 4
+    max_batch: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("off", "ngram"):
+            raise ValueError(f"unknown speculative kind {self.kind!r}; expected off or ngram")
+        if self.max_draft < 1 or self.max_batch < 1 or not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("max_draft and max_batch must be positive, 1 <= min_ngram <= max_ngram")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 32  # sequences decoding at once (rows of the batch)
     prefill_chunk: int = 512  # prompt tokens prefilled per step, across sequences
     strategy: Strategy = "decode_first"
     max_queue: int = 256  # sequences waiting for a row beyond which submit refuses
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -85,7 +85,8 @@ class DiskEntry:
 
 
 # The safetensors dtypes a block file may hold (bfloat16 goes in as uint16); safetensors is little-endian.
-_DTYPES: dict[str, np.dtype[Any]] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "U16": np.dtype("<u2")}
+_DTYPES: dict[str, np.dtype[Any]] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "U16": np.dtype("<u2"),
+                                     "U32": np.dtype("<u4")}  # U32: quantized KV, packed
 
 
 def _parse_block(data: bytes) -> tuple[np.ndarray | None, ...]:
@@ -116,10 +117,21 @@ def _parse_block(data: bytes) -> tuple[np.ndarray | None, ...]:
 
 @dataclass(frozen=True)
 class HostBlock:
-    """A block's arrays on the host: keys and values of every layer, in layer order."""
+    """A block's arrays on the host: keys and values of every layer, in layer order — each as one array, or,
+    quantized (``dtype`` ``"q8g64:bfloat16"``: bits, group size, device dtype), as three (packed, scales,
+    biases: ``mx.quantize``'s)."""
 
     arrays: tuple[np.ndarray | None, ...]
-    dtype: str  # the device dtype ("bfloat16" arrays are stored as uint16)
+    dtype: str  # the device dtype ("bfloat16" arrays are stored as uint16), or "q{bits}g{group}:{dtype}"
+
+    @property
+    def stride(self) -> int:
+        """Host arrays per device array."""
+        return 3 if self.dtype.startswith("q") else 1
+
+    def has(self, index: int) -> bool:
+        """Whether device array ``index`` (layer × 2 + keys/values) is in the block."""
+        return self.arrays[index * self.stride] is not None
 
 
 INDEX = "index.sqlite"

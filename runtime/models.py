@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig
+from runtime.model_memory import context_length
 
 if TYPE_CHECKING:  # MLX is imported when a model loads, not when a graph is compiled or checked
     from runtime.constrained import GrammarCompiler
@@ -116,11 +117,7 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-            value = self.config.get(key) or self.config.get("text_config", {}).get(key)
-            if isinstance(value, int) and value > 0:
-                return value
-        return 4096
+        return context_length(self.config)
 
     @property
     def vocab_size(self) -> int:

@@ -96,6 +96,7 @@ Windows = tuple[int | None, ...]
 class PrefixConfig:
     block_tokens: int = 16
     hot_bytes: int = 2 << 30
+    disk_kv_bits: int | None = None  # blocks on disk quantized to this many bits (8), else as in memory
     default_ttl: float = 86400.0  # seconds a block lives after its last use unless a request says otherwise
     memory_only_ttl: float = 300.0  # blocks of ``ttl = 0`` requests: memory only, and this long at most
 
@@ -184,7 +185,7 @@ def usable_depth(blocks: Sequence[Block], windows: Windows, block_tokens: int) -
 def _has_layer(block: Block, layer: int) -> bool:
     if block.arrays is not None:
         return block.arrays[2 * layer] is not None
-    return block.host is not None and block.host.arrays[2 * layer] is not None
+    return block.host is not None and block.host.has(2 * layer)
 
 
 def namespace_of(identity: str) -> bytes:
@@ -236,16 +237,53 @@ class BlockKeys:
         return self.keys[:blocks]
 
 
-def _to_host(arrays: list[mx.array | None]) -> HostBlock:
+def _host(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+
+
+def _device(a: np.ndarray, dtype: str) -> mx.array:
+    return mx.array(a).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(a)
+
+
+def quantization_group(head_dim: int) -> int | None:
+    """The group size for quantizing KV rows of ``head_dim`` (one that divides it), or None (none fits)."""
+    return next((g for g in (128, 64, 32) if head_dim % g == 0), None)  # larger groups: fewer scales
+
+
+def _to_host(arrays: list[mx.array | None], kv_bits: int | None = None) -> HostBlock:
+    """A block's arrays for the host and the disk: as they are, or ``kv_bits``-quantized in groups along the
+    head dimension (when a group size divides it)."""
     present = [a for a in arrays if a is not None]
     dtype = str(present[0].dtype).removeprefix("mlx.core.")
-    bf16 = present[0].dtype == mx.bfloat16
-    return HostBlock(tuple(None if a is None else np.array(a.view(mx.uint16) if bf16 else a) for a in arrays), dtype)
+    group = quantization_group(present[0].shape[-1]) if kv_bits else None
+    if kv_bits is None or group is None:
+        return HostBlock(tuple(None if a is None else _host(a) for a in arrays), dtype)
+    out: list[np.ndarray | None] = []
+    for a in arrays:
+        if a is None:
+            out += [None, None, None]
+            continue
+        packed, scales, biases = mx.quantize(a.reshape(-1, a.shape[-1]), group_size=group, bits=kv_bits)
+        out += [np.array(packed).reshape(*a.shape[:-1], -1), _host(scales), _host(biases)]
+    return HostBlock(tuple(out), f"q{kv_bits}g{group}:{dtype}")
 
 
 def _to_device(host: HostBlock) -> list[mx.array | None]:
-    bf16 = host.dtype == "bfloat16"
-    return [None if a is None else mx.array(a).view(mx.bfloat16) if bf16 else mx.array(a) for a in host.arrays]
+    if host.stride == 1:
+        return [None if a is None else _device(a, host.dtype) for a in host.arrays]
+    quantization, dtype = host.dtype[1:].split(":")
+    bits, group = (int(n) for n in quantization.split("g"))
+    out: list[mx.array | None] = []
+    for i in range(0, len(host.arrays), 3):
+        packed, scales, biases = host.arrays[i : i + 3]
+        if packed is None or scales is None or biases is None:
+            out.append(None)
+            continue
+        rows = mx.array(packed)
+        flat = mx.dequantize(rows.reshape(-1, rows.shape[-1]), _device(scales, dtype), _device(biases, dtype),
+                             group_size=group, bits=bits)
+        out.append(flat.reshape(*packed.shape[:-1], -1))
+    return out
 
 
 def _present(arrays: Iterable[mx.array | None]) -> list[mx.array]:
@@ -426,7 +464,8 @@ class PrefixCache:
             for block in added:
                 self._make_hot(block)
                 if block.persist and self.disk is not None:
-                    self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or []), block.expires)
+                    self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or [], self.config.disk_kv_bits),
+                                    block.expires)
             with self._lock:
                 self.stats.stored_blocks += sum(1 for block in added if block.length == b)
                 self.stats.stored_tails += sum(1 for block in added if block.length < b)

@@ -47,7 +47,11 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 class SequenceSampler:
     """One sequence's sampling state: its processors, its grammar constraint if any, and, when it samples, its
-    random key."""
+    seed.
+
+    The token at each position of the output is drawn with the Gumbel-max trick from noise keyed by the seed
+    and the position alone: the same seed gives the same tokens however they were computed — one per step,
+    or several per step by speculative decoding (:mod:`runtime.speculative`)."""
 
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
@@ -63,8 +67,8 @@ class SequenceSampler:
         self.history_window = max(params.repetition_context_size, 20) if self.processors else 0
         self.greedy = params.greedy
         self.top_logprobs = params.logprobs  # None: the request did not ask for logprobs
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        self._key: mx.array | None = None if self.greedy else mx.random.key(seed)
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.drawn = 0  # tokens sampled so far: the position of the next draw
 
     def process(self, logits: mx.array, context: mx.array) -> mx.array:
         """Apply this sequence's logits processors to its ``[1, vocab]`` row."""
@@ -72,9 +76,9 @@ class SequenceSampler:
             logits = processor(context, logits)
         return logits
 
-    def sample(self, logprobs: mx.array) -> mx.array:
-        """Draw one token (``[1]``) from a ``[1, vocab]`` row of log-probabilities."""
-        assert self._key is not None, "greedy sequences are sampled in the batch, not here"
+    def scaled(self, logprobs: mx.array) -> mx.array:
+        """Rows of log-probabilities after the sampler's filters (top-p, min-p, top-k), divided by its
+        temperature: the logits it samples from."""
         p = self.params
         filtered = logprobs
         if 0.0 < p.top_p < 1.0:
@@ -83,9 +87,30 @@ class SequenceSampler:
             filtered = apply_min_p(filtered, p.min_p)
         if p.top_k > 0:
             filtered = apply_top_k(filtered, p.top_k)
-        keys = mx.random.split(self._key)
-        self._key = keys[0]
-        return mx.random.categorical(filtered * (1.0 / p.temperature), key=keys[1])
+        return filtered * (1.0 / p.temperature)
+
+    def draws(self, scaled: mx.array) -> mx.array:
+        """The tokens drawn at the next ``len(scaled)`` positions, one per row of ``scaled`` (``[n, vocab]``),
+        without advancing: each is the argmax of the row plus Gumbel noise keyed by its position."""
+        assert not self.greedy, "greedy sequences are sampled in the batch, not here"
+        noise = mx.stack([mx.random.gumbel(shape=scaled.shape[-1:], key=self._key_at(self.drawn + j))
+                          for j in range(scaled.shape[0])])
+        return mx.argmax(scaled + noise.astype(scaled.dtype), axis=-1)
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """Draw one token (``[1]``) from a ``[1, vocab]`` row of log-probabilities."""
+        token = self.draws(self.scaled(logprobs))
+        self.drawn += 1
+        return token
+
+    def _key_at(self, position: int) -> mx.array:
+        return mx.random.key((self.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+
+    @property
+    def plain(self) -> bool:
+        """Sampled from the model's distribution alone: no penalties or bias, no grammar, no logprobs asked
+        (what speculative decoding verifies exactly)."""
+        return not self.processors and self.constraint is None and self.top_logprobs is None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import random
 import shutil
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -47,7 +47,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "whisper", "soprano"]
+from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo, qwen3_next_fields
+
+Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
+               "seed_oss", "qwen3_5", "gemma4", "phi3",
+               "deepseek_r1", "qwen3_next", "whisper", "soprano"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -110,6 +114,17 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-qwen3": TinySpec(),
     "tiny-llama": TinySpec(arch="llama"),
     "tiny-gemma3": TinySpec(arch="gemma3"),
+    # The model families' architectures (runtime/tiny_archs.py), with their real chat templates.
+    "tiny-gpt-oss": TinySpec(arch="gpt_oss", intermediate_size=64),
+    "tiny-deepseek-v3": TinySpec(arch="deepseek_v3", intermediate_size=64),
+    "tiny-deepseek-r1": TinySpec(arch="deepseek_r1", intermediate_size=64),
+    "tiny-kimi-k2": TinySpec(arch="kimi_k2", intermediate_size=64),
+    "tiny-minimax-m2": TinySpec(arch="minimax", intermediate_size=64),
+    "tiny-seed-oss": TinySpec(arch="seed_oss", intermediate_size=64),
+    "tiny-qwen3.5": TinySpec(arch="qwen3_5", intermediate_size=64),
+    "tiny-qwen3-next": TinySpec(arch="qwen3_next", intermediate_size=64),
+    "tiny-gemma4": TinySpec(arch="gemma4", intermediate_size=64),
+    "tiny-phi4-mini": TinySpec(arch="phi3", intermediate_size=64),
     # Embedding models (mlx-embeddings): an encoder with a WordPiece tokenizer, and a decoder-style one.
     "tiny-bert": TinySpec(arch="bert", hidden_size=32, num_heads=2, num_kv_heads=2, intermediate_size=128,
                           vocab_size=1000, max_position_embeddings=512),
@@ -388,30 +403,8 @@ _GEMMA3_TEMPLATE = r"""{{ bos_token }}
 """
 
 
-@dataclass(frozen=True)
-class _ArchInfo:
-    """What differs between architectures, as the real checkpoints have it."""
-
-    model_type: str
-    architecture: str
-    special: tuple[str, ...]  # special tokens, ids 0.. in this order
-    added: tuple[str, ...]  # non-special added tokens (survive skip_special_tokens)
-    reserved_fmt: str  # name of filler tokens when BPE falls short of the target
-    bos: str | None  # what the tokenizer calls bos_token
-    eos: str
-    pad: str
-    unk: str | None
-    prepend_bos: bool  # tokenizer.encode adds bos (Llama 3 and Gemma do, Qwen does not)
-    config_bos: str  # config.json's bos_token_id
-    config_eos: tuple[str, ...]  # config.json's eos_token_id
-    stop_tokens: tuple[str, ...]  # generation_config.json's eos_token_id
-    tie_embeddings: bool
-    chat_template: str
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-
-
-_ARCHS: dict[str, _ArchInfo] = {
-    "qwen3": _ArchInfo(
+_ARCHS: dict[str, ArchInfo] = {
+    "qwen3": ArchInfo(
         model_type="qwen3",
         architecture="Qwen3ForCausalLM",
         special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -429,7 +422,7 @@ _ARCHS: dict[str, _ArchInfo] = {
         chat_template=_QWEN3_TEMPLATE,
         generation_defaults={"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
     ),
-    "llama": _ArchInfo(
+    "llama": ArchInfo(
         model_type="llama",
         architecture="LlamaForCausalLM",
         special=(
@@ -456,7 +449,7 @@ _ARCHS: dict[str, _ArchInfo] = {
         chat_template=_LLAMA_TEMPLATE,
         generation_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.9},
     ),
-    "gemma3": _ArchInfo(
+    "gemma3": ArchInfo(
         model_type="gemma3_text",
         architecture="Gemma3ForCausalLM",
         # Same order as the real vocab for the first four (pad=0, eos=1, bos=2, unk=3).
@@ -478,6 +471,11 @@ _ARCHS: dict[str, _ArchInfo] = {
     ),
 }
 
+_ARCHS.update(FAMILY_ARCHS)
+# Qwen/Qwen3-Next: Qwen3's vocabulary and template (the Instruct model's is Qwen3's, thinking parts aside) on
+# the hybrid architecture.
+_ARCHS["qwen3_next"] = replace(_ARCHS["qwen3"], model_type="qwen3_next", architecture="Qwen3NextForCausalLM",
+                               module="qwen3_next", fields=qwen3_next_fields)
 
 # ---------------------------------------------------------------------------
 # Tokenizer
@@ -580,7 +578,7 @@ def _pseudo_text(n_words: int) -> list[str]:
     return lines
 
 
-def _train_tokenizer(info: _ArchInfo, vocab_size: int) -> Tokenizer:
+def _train_tokenizer(info: ArchInfo, vocab_size: int) -> Tokenizer:
     """Byte-level BPE with exactly ``vocab_size`` tokens and the arch's specials."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -621,7 +619,7 @@ def _token_entry(content: str) -> dict[str, Any]:
     return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
 
 
-def _tokenizer_config(info: _ArchInfo, tok: Tokenizer, spec: TinySpec) -> dict[str, Any]:
+def _tokenizer_config(info: ArchInfo, tok: Tokenizer, spec: TinySpec) -> dict[str, Any]:
     decoder = {
         str(i): {**_token_entry(t.content), "special": t.special}
         for i, t in sorted(tok.get_added_tokens_decoder().items())
@@ -641,7 +639,7 @@ def _tokenizer_config(info: _ArchInfo, tok: Tokenizer, spec: TinySpec) -> dict[s
     }
 
 
-def _special_tokens_map(info: _ArchInfo) -> dict[str, Any]:
+def _special_tokens_map(info: ArchInfo) -> dict[str, Any]:
     roles = {"bos_token": info.bos, "eos_token": info.eos, "pad_token": info.pad, "unk_token": info.unk}
     return {role: _token_entry(t) for role, t in roles.items() if t is not None}
 
@@ -650,7 +648,7 @@ def _special_tokens_map(info: _ArchInfo) -> dict[str, Any]:
 # Model
 
 
-def _model_config(info: _ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> dict[str, Any]:
+def _model_config(info: ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> dict[str, Any]:
     """config.json as the real checkpoints write it, plus the smoke-test marker."""
     eos_ids = [token_id[t] for t in info.config_eos]
     common: dict[str, Any] = {
@@ -674,8 +672,10 @@ def _model_config(info: _ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> 
         "torch_dtype": spec.dtype,
         "use_cache": True,
     }
-    if spec.arch == "qwen3":
-        arch_fields: dict[str, Any] = {
+    if info.fields is not None:
+        arch_fields: dict[str, Any] = info.fields(spec.num_layers)
+    elif spec.arch == "qwen3":
+        arch_fields = {
             "hidden_act": "silu",
             "rms_norm_eps": 1e-6,
             "rope_theta": 1_000_000.0,
@@ -725,16 +725,22 @@ def _model_config(info: _ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> 
     return {**common, **arch_fields, **marker}
 
 
+def arch_info(arch: Arch) -> ArchInfo:
+    """What the real checkpoints of ``arch`` have: special tokens, stop tokens, chat template."""
+    return _ARCHS[arch]
+
+
 _MODULES: dict[str, str] = {"qwen3": "qwen3", "llama": "llama", "gemma3": "gemma3_text"}
 
 
 def _model_module(arch: Arch) -> Any:
-    return importlib.import_module(f"mlx_lm.models.{_MODULES[arch]}")
+    return importlib.import_module(f"mlx_lm.models.{_ARCHS[arch].module or _MODULES[arch]}")
 
 
 def _random_weights(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.array]:
     """Weights named exactly as the real mlx-lm model class names its parameters."""
     module = _model_module(spec.arch)
+    mx.random.seed(spec.seed)  # what module init draws and the loop below keeps (gated-delta decay rates) is fixed
     model = module.Model(module.ModelArgs.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
     if spec.arch == "gemma3":
@@ -746,8 +752,10 @@ def _random_weights(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.arra
     weights: dict[str, mx.array] = {}
     for i, name in enumerate(names):
         value = params[name]
-        if value.ndim == 2:  # embeddings and projections: HF-style N(0, 0.02)
+        if value.ndim >= 2:  # embeddings, projections, experts' stacks: HF-style N(0, 0.02)
             value = mx.random.normal(value.shape, key=keys[i]) * _INIT_STD
+        elif name.endswith(("bias", "sinks")):  # module init draws these at random: zero them, deterministic
+            value = mx.zeros_like(value)
         elif spec.arch == "gemma3":  # gemma norms scale by (1 + w); identity is w = 0
             value = mx.zeros_like(value)
         weights[name] = value.astype(dtype)
@@ -759,7 +767,7 @@ def _random_weights(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.arra
 # Files
 
 
-def _readme(spec: TinySpec, info: _ArchInfo, n_params: int) -> str:
+def _readme(spec: TinySpec, info: ArchInfo, n_params: int) -> str:
     fields = "\n".join(f"| {k} | {v} |" for k, v in asdict(spec).items())
     return f"""# {SMOKE_TEST_LABEL}
 

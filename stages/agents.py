@@ -209,6 +209,9 @@ class AgentsGenerateDecode(ProtocolDecode):
         if agent is None:
             raise _not_found(agent_id)
         body = parse_json_body(AgentGenerateBody, http.body)
+        if body.n != 1:
+            raise ApiError("invalid_request", f"'n' must be 1 (got {body.n}): an agent's turn adds one answer to "
+                           "its history.", param="n")
         model = agent.model if body.model is None else self.store.model_name(body.model)
         request = openai_chat.decode_chat_body(body.model_copy(update={"model": model}), http.request_id, created)
         system = (Message("system", agent.system_prompt),) if agent.system_prompt else ()

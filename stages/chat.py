@@ -22,6 +22,7 @@ from protocols.ir import (
     GenerationStarted,
     Message,
     PreparedPrompt,
+    ReasoningDelta,
     ResponseFinished,
     ResponseStarted,
     StreamEvent,
@@ -136,8 +137,20 @@ class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
                 f"{max_tokens} max_tokens at {per_token} bytes each), more than this model's budget of "
                 f"{budget / 2**20:.0f} MiB; shorten the messages or lower max_tokens.", param="max_tokens")
 
+    def _refuse_images(self, request: ChatRequest, resource: ModelResource) -> None:
+        """Images in the message a request asks about now need a model that reads them; earlier ones stay
+        markers (an agent whose history holds a screenshot goes on)."""
+        last = request.messages[-1] if request.messages else None
+        if last is None or last.role != "user" or not last.images or resource.kind == "vision":
+            return
+        readers = self.models.able("vision", known=True)
+        raise ApiError("invalid_request", f"The model {request.model!r} reads text only, and the last message "
+                       f"holds {last.images} image{'s' if last.images > 1 else ''}. Models on this server that read "
+                       f"images: {', '.join(readers) or '(none)'}.", param="messages", code="images_not_supported")
+
     def prepare(self, request: ChatRequest) -> PreparedPrompt:
         resource = self.models.lookup(request.model)
+        self._refuse_images(request, resource)
         loaded = resource.require()
         tokenizer = loaded.tokenizer
         # Checked against the model before any templating or tokenizing (which cost many times the text).
@@ -239,13 +252,14 @@ def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> S
         return None
     with_tools = bool(request.tools) and request.tool_choice != "none"
     reasoning_id = family.reasoning.parser
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = dict(family.reasoning.options)
     if "starts_inside" in inspect.signature(REASONING_PARSERS[reasoning_id]).parameters:
         # Templates that open the thinking block themselves make the output start inside it.
         options["starts_inside"] = prompt_text.rstrip().endswith(family.reasoning.open_tag)
     return make_response_parser(tool_parser=family.tools.parser if with_tools else None,
                                 reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options,
-                                loose_tool_calls=with_tools and family.tools.loose_calls)
+                                loose_tool_calls=with_tools and family.tools.loose_calls,
+                                tool_options=family.tools.options)
 
 
 def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:
@@ -276,43 +290,72 @@ class ChatProcess(Stage[Generation, StreamEvent]):
         request = prompt.request
         resource = self.models.lookup(prompt.model)
         tokenizer = resource.require().tokenizer
-        detokenizer = tokenizer.detokenizer
-        stops = StopMatcher(request.stop)
-        parser = response_parser(request, resource.family, prompt.text)
-        calls = 0
+        choices = [_ChoiceStream(header, tokenizer, response_parser(request, resource.family, prompt.text), i)
+                   for i in range(request.n)]
         await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text,
                                           header.cache_write_tokens))
-        completion_tokens = 0
+        running = request.n
         async for chunk in inbox:
             assert isinstance(chunk, TokenChunk)
-            completion_tokens += len(chunk.token_ids)
-            for token in chunk.token_ids:
-                detokenizer.add_token(token)
-            if chunk.finish_reason is not None:
-                detokenizer.finalize()
-            text = stops.feed(detokenizer.last_segment)
-            finish = chunk.finish_reason
-            if stops.matched is not None:
-                finish = "stop"
-            elif finish is not None:
-                text += stops.flush()
-            logprobs = tuple(_token_strings(tokenizer, lp) for lp in chunk.logprobs)
-            if parser is None:
-                events: list[StreamEvent] = [TextDelta(text, logprobs)] if text or logprobs else []
-            else:
-                events = [*parser.feed(text), *(parser.finish() if finish is not None else [])]
-                if logprobs:
-                    events.append(TextDelta("", logprobs))
-            for event in events:
-                if isinstance(event, ToolCallDelta):
-                    if event.index > 0 and not request.parallel_tool_calls:
-                        continue  # the client asked for one call at a time
-                    calls = max(calls, event.index + 1)
+            choice = choices[chunk.choice]
+            for event in choice.feed(chunk):
                 await outbox.send(event)
-            if finish is not None:
-                if calls and finish == "stop":
-                    finish = "tool_calls"
-                usage = Usage(header.prompt_tokens, completion_tokens, header.cached_tokens, header.cache_write_tokens)
-                await outbox.send(ResponseFinished(finish, usage, stop_sequence=stops.matched))
-                return  # closing our inbox tells generate to drop the sequence
+            if choice.done:
+                running -= 1
+                if not running:
+                    return  # closing our inbox tells generate to drop the sequences
         raise ApiError("internal", "generation ended without a finish reason")
+
+
+class _ChoiceStream:
+    """One choice's output: detokenized (multi-byte safe), stop strings matched with hold-back, parsed into
+    content, reasoning and tool calls, finished with its usage."""
+
+    def __init__(self, header: GenerationStarted, tokenizer: Any, parser: StreamParser | None, choice: int) -> None:
+        self.header = header
+        self.request = header.prompt.request
+        self.tokenizer = tokenizer
+        self.detokenizer = tokenizer.detokenizer
+        self.stops = StopMatcher(self.request.stop)
+        self.parser = parser
+        self.choice = choice
+        self.calls = 0
+        self.completion_tokens = 0
+        self.done = False
+
+    def feed(self, chunk: TokenChunk) -> list[StreamEvent]:
+        request, stops, detokenizer = self.request, self.stops, self.detokenizer
+        self.completion_tokens += len(chunk.token_ids)
+        for token in chunk.token_ids:
+            detokenizer.add_token(token)
+        if chunk.finish_reason is not None:
+            detokenizer.finalize()
+        text = stops.feed(detokenizer.last_segment)
+        finish = chunk.finish_reason
+        if stops.matched is not None:
+            finish = "stop"
+        elif finish is not None:
+            text += stops.flush()
+        logprobs = tuple(_token_strings(self.tokenizer, lp) for lp in chunk.logprobs)
+        if self.parser is None:
+            events: list[TextDelta | ReasoningDelta | ToolCallDelta] = (
+                [TextDelta(text, logprobs)] if text or logprobs else [])
+        else:
+            events = [*self.parser.feed(text), *(self.parser.finish() if finish is not None else [])]
+            if logprobs:
+                events.append(TextDelta("", logprobs))
+        out: list[StreamEvent] = []
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                if event.index > 0 and not request.parallel_tool_calls:
+                    continue  # the client asked for one call at a time
+                self.calls = max(self.calls, event.index + 1)
+            out.append(replace(event, choice=self.choice) if self.choice else event)
+        if finish is not None:
+            if self.calls and finish == "stop":
+                finish = "tool_calls"
+            h = self.header
+            usage = Usage(h.prompt_tokens, self.completion_tokens, h.cached_tokens, h.cache_write_tokens)
+            out.append(ResponseFinished(finish, usage, stop_sequence=stops.matched, choice=self.choice))
+            self.done = True
+        return out

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
+from pydantic import Field
 
 from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Outbox, Stage
+from flow.stage import Outbox, Stage, note_request
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from protocols.parsers import TOOL_PARSERS
@@ -19,6 +21,7 @@ from stages.chat import ModelStageConfig
 if TYPE_CHECKING:
     from flow.families import Family
     from runtime.constrained import Constraint
+    from runtime.engine import SequenceHandle
     from runtime.models import LoadedModel
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the think_tag reasoning parser's markers
@@ -91,16 +94,24 @@ def forced_call_grammars(request: ChatRequest, family: Family) -> tuple[Grammar,
     if not schemas:
         return ()
     parser = TOOL_PARSERS.get(family.tools.parser)
-    return tuple(Grammar.lark(text) for text in parser.forced_call_grammars(schemas)) if parser else ()
+    if parser is None:
+        return ()
+    return tuple(Grammar.lark(text) for text in parser.forced_call_grammars(schemas, **family.tools.options))
+
+
+class GenerateConfig(ModelStageConfig):
+    max_choices: int = Field(default=8, ge=1, description="the most choices (OpenAI's n) one request may ask for; "
+                                                          "they decode as rows of the batch")
 
 
 class Generate(Stage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate"
     input_type: ClassVar[Any] = PreparedPrompt
     output_type: ClassVar[Any] = Generation
-    Config = ModelStageConfig
+    Config = GenerateConfig
     references = MODEL_REFERENCES
-    description = "runs the prompt on the device thread's engine; one chunk per engine step"
+    description = "runs the prompt on the device thread's engine; one chunk per engine step (per choice)"
+    config: GenerateConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -108,29 +119,59 @@ class Generate(Stage[PreparedPrompt, Generation]):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         async for prompt in inbox:
+            request = prompt.request
+            if request.n > self.config.max_choices:
+                raise ApiError("invalid_request", f"'n' is {request.n}; this server gives at most "
+                               f"{self.config.max_choices} choices per request.", param="n")
             resource = self.models.lookup(prompt.model)
             loaded = resource.require()
             engine = loaded.engine
-            constraint = await output_constraint(prompt, loaded, resource.family)
+            # Each choice has its own grammar state (compiled once, cached) and its own seed stream.
+            constraints = [await output_constraint(prompt, loaded, resource.family) for _ in range(request.n)]
+            sampling = request.sampling
+            choices = [(sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i),
+                        constraint) for i, constraint in enumerate(constraints)]
+            adapters = resource.adapters.select(request.model, request.adapter)
             tokens = list(prompt.token_ids)
-            policy = prompt.request.cache
-            hit = await engine.match_prefix(tokens, policy)
+            note_request(model=resource.name, prompt_tokens=len(tokens))
+            policy = request.cache
+            hit = await engine.match_prefix(tokens, policy, adapters)
             try:
-                handle = engine.submit(tokens, max_tokens=prompt.max_tokens, stop_ids=prompt.stop_token_ids,
-                                       sampling=prompt.request.sampling, prefix=hit, policy=policy,
-                                       constraint=constraint)
+                handles = engine.submit_choices(tokens, choices, max_tokens=prompt.max_tokens,
+                                                stop_ids=prompt.stop_token_ids, prefix=hit, policy=policy,
+                                                adapters=adapters)
             except EngineOverloaded as exc:
                 raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                                f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
-            # Leaving this block for any reason (done, downstream finished early,
-            # client gone) cancels the sequence; the engine drops it next step.
-            async with handle:
-                try:
-                    await outbox.send(GenerationStarted(prompt, len(tokens), handle.cached_tokens,
-                                                        handle.cache_write_tokens))
-                    async for chunk in handle.chunks:
-                        await outbox.send(merge_pending(chunk, handle.chunks))
-                except trio.BrokenResourceError:
+            # Leaving this block for any reason (done, downstream finished early, client gone) cancels the
+            # sequences; the engine drops them next step.
+            try:
+                await outbox.send(GenerationStarted(prompt, len(tokens), handles[0].cached_tokens,
+                                                    handles[0].cache_write_tokens))
+                downstream_done = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    for i, handle in enumerate(handles):
+                        nursery.start_soon(_forward, handle, i, outbox, nursery.cancel_scope, downstream_done)
+                if downstream_done.is_set():
                     return  # downstream has all it wants (e.g. a stop string matched)
-            if handle.error is not None:
-                raise ApiError("internal", f"generation failed: {handle.error}") from handle.error
+            except trio.BrokenResourceError:
+                return
+            finally:
+                for handle in handles:
+                    handle.cancel()
+                    handle.chunks.close()
+            failed = next((h.error for h in handles if h.error is not None), None)
+            if failed is not None:
+                raise ApiError("internal", f"generation failed: {failed}") from failed
+
+
+async def _forward(handle: SequenceHandle, choice: int, outbox: Outbox[Generation], scope: trio.CancelScope,
+                   downstream_done: trio.Event) -> None:
+    """One choice's token chunks, tagged with the choice; when downstream stops reading, every choice stops."""
+    try:
+        async for chunk in handle.chunks:
+            merged = merge_pending(chunk, handle.chunks)
+            await outbox.send(replace(merged, choice=choice) if choice else merged)
+    except trio.BrokenResourceError:
+        downstream_done.set()
+        scope.cancel()

@@ -37,6 +37,8 @@ def model_entries(model: ModelResource) -> list[dict[str, Any]]:
                                  "lifecycle": "active"}
         if model_id != model.name:
             entry["alias_of"] = model.name
+        if model_id in model.config.adapter_aliases:
+            entry["adapter"] = model.config.adapter_aliases[model_id]  # this id means the model with these
         loaded = model.loaded or model.embedding or model.audio
         if model.kind is not None:
             entry["kind"] = model.kind

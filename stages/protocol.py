@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 import trio
 from pydantic import Field
 
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig
+from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, note_request
 from protocols.codec import JSON_HEADERS
 from protocols.ir import (
     ChatRequest,
@@ -119,7 +119,8 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
         builder.add(header)
         if header.request.stream:
             encoder = self.codec.stream_encoder(header)
-            await outbox.send(WireFrame(b"".join(encoder.start()), headers=SSE_HEADERS, streaming=True))
+            headers = getattr(self.codec, "stream_headers", SSE_HEADERS)  # SSE, or a codec's own (NDJSON)
+            await outbox.send(WireFrame(b"".join(encoder.start()), headers=headers, streaming=True))
             keepalive = self.config.keepalive_seconds  # type: ignore[attr-defined]
             while True:
                 with trio.move_on_after(keepalive) as idle:
@@ -131,8 +132,9 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
                     await outbox.send(WireFrame(b"".join(encoder.keepalive())))
                     continue
                 builder.add(event)
-                if isinstance(event, ResponseFinished):
+                if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
                     result = builder.result()
+                    note_request(completion_tokens=result.usage.completion_tokens)
                     await self.finished(result, self.codec.encode_final(result))
                 frames = encoder.encode(event)
                 if frames:
@@ -143,6 +145,7 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
         async for event in inbox:
             builder.add(event)
         result = builder.result()
+        note_request(completion_tokens=result.usage.completion_tokens)
         body = self.codec.encode_final(result)
         await self.finished(result, body)
         await outbox.send(json_frame(body))

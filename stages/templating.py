@@ -7,7 +7,11 @@ in what their templates accept, and :func:`template_inputs` adapts:
 * **tool delivery** — ``template``: ``tools=`` goes to the template;
   ``injected``: the tools are described in the system message (the family's
   prompt) and earlier calls are written back as text in the syntax the
-  family's parser reads, so the model sees its own format;
+  family's parser reads, so the model sees its own format; ``system``: the
+  tools are described in the system message and earlier calls still go to the
+  template, which renders them (DeepSeek V3.1's renders calls but not tools);
+* **call arguments** — ``string``: earlier calls' arguments as JSON text, for
+  templates that concatenate them;
 * **tool results** — ``tool_role = "user"``: results become user turns (merged
   with neighbouring user turns, since such templates insist on alternation);
 * **call ids** — ``alnum9``: ids are rewritten, consistently within the
@@ -17,7 +21,10 @@ in what their templates accept, and :func:`template_inputs` adapts:
   neighbouring user turn;
 * **one call per message** — multi-call assistant turns are split, each call
   followed by its own result (Llama 3.1 refuses more than one);
-* **thinking** — the request's on/off goes to the family's template switch;
+* **thinking** — the request's on/off goes to the family's template switch, and its
+  reasoning effort (low/medium/high) to the family's effort key (gpt-oss), its thinking
+  budget in tokens to the budget key (Seed-OSS; 0 when thinking is off); earlier
+  turns' reasoning goes under the key the template reads (gpt-oss: ``thinking``);
 * **tool_choice** — ``none`` hides the tools; ``required`` or a named tool adds
   an instruction (local models have no constrained decoding to force it).
 """
@@ -31,6 +38,7 @@ from typing import Any
 
 from flow.families import Family
 from protocols.ir import ChatRequest
+from protocols.parsers.sectioned import CALL, SECTION, SEPARATOR
 
 _ALNUM = string.ascii_letters + string.digits
 
@@ -45,9 +53,22 @@ def alnum9(call_id: str) -> str:
     return out
 
 
-def render_calls(parser: str, calls: list[dict[str, Any]]) -> str:
-    """Earlier tool calls as text, in the syntax ``parser`` reads (for injected delivery)."""
+def render_calls(parser: str, calls: list[dict[str, Any]], options: dict[str, Any] | None = None) -> str:
+    """Earlier tool calls as text, in the syntax ``parser`` with the family's ``options`` reads (for injected
+    delivery)."""
     pairs = [(c["function"]["name"], c["function"].get("arguments") or {}) for c in calls]
+    start = (options or {}).get("start", "<tool_call>")
+    if parser == "hermes_json" and start != "<tool_call>":  # a JSON list behind the family's marker (Phi-4-mini)
+        listed = json.dumps([{"name": n, "arguments": a} for n, a in pairs])
+        end = str((options or {}).get("end", ""))
+        return str(start[:-1] if start.endswith("[") else start) + listed + end
+    if parser == "sectioned_json":  # DeepSeek V3/R1's layout: the call type, the name, fenced JSON
+        section, call = SECTION, CALL
+        sep = str((options or {}).get("separator", SEPARATOR))
+        section = tuple((options or {}).get("section", section))
+        call = tuple((options or {}).get("call", call))
+        body = "\n".join(f"{call[0]}function{sep}{n}\n```json\n{json.dumps(a)}\n```{call[1]}" for n, a in pairs)
+        return f"{section[0]}{body}{section[1]}"
     if parser == "pythonic":
         return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in pairs) + "]"
     if parser == "llama3_json":
@@ -58,8 +79,10 @@ def render_calls(parser: str, calls: list[dict[str, Any]]) -> str:
 
 
 def tool_prompt(family: Family, tools: tuple[dict[str, Any], ...]) -> str:
-    described = "\n".join(json.dumps(t.get("function", t)) for t in tools)
-    return family.tools.prompt.format(tools=described, call_format=family.tools.call_format)
+    functions = [t.get("function", t) for t in tools]
+    described = "\n".join(json.dumps(f) for f in functions)
+    return family.tools.prompt.format(tools=described, tools_json=json.dumps(functions, ensure_ascii=False),
+                                      call_format=family.tools.call_format)
 
 
 def _choice_instruction(choice: str | dict[str, Any] | None) -> str:
@@ -110,6 +133,38 @@ def _merge_users(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _string_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A call whose arguments are JSON text, for templates that concatenate them (DeepSeek's)."""
+    function = call.get("function")
+    if isinstance(function, dict) and not isinstance(function.get("arguments"), str):
+        return {**call, "function": {**function, "arguments": json.dumps(function.get("arguments") or {},
+                                                                          ensure_ascii=False)}}
+    return call
+
+
+def _described(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool with a ``description`` (empty when the client sent none): templates index it, and
+    gpt-oss's concatenates it, which fails on a missing one."""
+    function = tool.get("function")
+    if isinstance(function, dict) and "description" not in function:
+        return {**tool, "function": {**function, "description": ""}}
+    return tool
+
+
+_EFFORTS = ("low", "medium", "high")
+
+
+def _graded_effort(request: ChatRequest) -> str | None:
+    """The request's reasoning effort as templates grade it: low / medium / high. Thinking switched off (effort
+    ``none``/``minimal``, Anthropic's ``disabled``) is the lowest grade: such models always reason a little."""
+    effort = (request.reasoning_effort or "").lower()
+    if effort in _EFFORTS:
+        return effort
+    if effort == "xhigh" or effort == "max":
+        return "high"
+    return "low" if request.thinking is False else None
+
+
 def template_inputs(request: ChatRequest, family: Family, template: str | None) -> tuple[
         list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
     """``(messages, tools, kwargs)`` for ``apply_chat_template``."""
@@ -127,15 +182,23 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
                 msg["tool_call_id"] = alnum9(msg["tool_call_id"])
     if family.tools.one_call_per_message:
         messages = _split_calls(messages)
+    if family.reasoning.history_field != "reasoning_content":
+        key = family.reasoning.history_field
+        messages = [{key if k == "reasoning_content" else k: v for k, v in m.items()} for m in messages]
+
+    if family.tools.arguments == "string":
+        for msg in messages:
+            if msg.get("tool_calls"):
+                msg["tool_calls"] = [_string_arguments(c) for c in msg["tool_calls"]]
 
     system_extra = [_choice_instruction(request.tool_choice) if tools else ""]
+    if delivery in ("injected", "system") and tools:
+        system_extra.insert(0, tool_prompt(family, tuple(tools)))
     if delivery == "injected":
-        if tools:
-            system_extra.insert(0, tool_prompt(family, tuple(tools)))
         for msg in messages:
             calls = msg.pop("tool_calls", None)
             if calls:
-                text = render_calls(family.tools.parser, calls)
+                text = render_calls(family.tools.parser, calls, family.tools.options)
                 msg["content"] = f"{msg['content']}\n{text}" if msg.get("content") else text
     merge = family.tools.tool_role == "user"  # such templates insist on alternating turns
     if family.mid_system == "user":
@@ -161,4 +224,10 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None) 
     toggle = family.reasoning.toggle
     if toggle and request.thinking is not None:
         kwargs.setdefault(toggle, request.thinking)
-    return messages, (tools if delivery == "template" and tools else None), kwargs
+    effort = _graded_effort(request)
+    if family.reasoning.effort and effort is not None:
+        kwargs.setdefault(family.reasoning.effort, effort)
+    budget = 0 if request.thinking is False else request.reasoning_budget
+    if family.reasoning.budget and budget is not None:
+        kwargs.setdefault(family.reasoning.budget, budget)
+    return messages, ([_described(t) for t in tools] if delivery == "template" and tools else None), kwargs

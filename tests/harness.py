@@ -22,8 +22,8 @@ WEATHER_TOOLS: list[Any] = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 """One OpenAI function tool, as the tool-call tests declare it."""
 
-__all__ = ["GRAPHS", "RunningServer", "free_port", "graph_with_model", "openai_error", "running_server",
-           "serve_process", "tables_with_model", "tables_with_prefix_cache"]
+__all__ = ["GRAPHS", "RunningServer", "free_port", "graph_with_key", "graph_with_model", "openai_error",
+           "running_server", "serve_process", "tables_with_model", "tables_with_prefix_cache"]
 
 
 def tables_with_model(model_path: Path | str, *, graph: str = "default.toml", name: str = "tiny",
@@ -46,6 +46,13 @@ def graph_with_model(model_path: Path | str, *, graph: str = "default.toml", nam
                      **overrides: Any) -> CompiledGraph:
     """The named graph file with its model resource pointed at ``model_path``."""
     return compile_tables(tables_with_model(model_path, graph=graph, name=name, **overrides), f"{graph} (test)")
+
+
+def graph_with_key(model_path: Path | str, api_key: str, name: str) -> CompiledGraph:
+    """The default graph on ``model_path`` with ``server.api_key`` set."""
+    tables = tables_with_model(model_path)
+    tables["server"] = {"api_key": api_key}
+    return compile_tables(tables, name)
 
 
 def openai_error(response: httpx.Response, status: int = 400) -> dict[str, Any]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from flow.compiler import CompiledGraph
+if TYPE_CHECKING:  # at run time viz is imported while the compiler is (flow.builtins registers the console)
+    from flow.compiler import CompiledGraph
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class Node:
     key: str
     label: str
     kind: str  # "route" | "stage" | "resource"
+    name: str = ""  # the id as the graph and /stats write it: stage or resource id, "METHOD /path"
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Edge:
     dst: str
     label: str
     dotted: bool = False
+    name: str = ""  # a stage edge as /stats keys it ("src -> dst"); empty for route and resource links
 
 
 def _key(kind: str, name: str) -> str:
@@ -38,14 +42,15 @@ def layout(graph: CompiledGraph) -> tuple[list[Node], list[Edge]]:
     edges: list[Edge] = []
     for route in graph.routes:
         rkey = _key("route", f"{route.method}_{route.path}")
-        nodes.append(Node(rkey, f"{route.method} {route.path}", "route"))
+        nodes.append(Node(rkey, f"{route.method} {route.path}", "route", f"{route.method} {route.path}"))
         edges.append(Edge(rkey, _key("stage", route.entry), "HttpRequest"))
     for sid, stage in graph.stages.items():
-        nodes.append(Node(_key("stage", sid), f"{sid}\\n[{stage.type_name}]", "stage"))
+        nodes.append(Node(_key("stage", sid), f"{sid}\\n[{stage.type_name}]", "stage", sid))
     for src, dst, data in graph.graph.edges(data=True):
-        edges.append(Edge(_key("stage", src), _key("stage", dst), str(data.get("item", ""))))
+        edges.append(Edge(_key("stage", src), _key("stage", dst), str(data.get("item", "")),
+                          name=f"{src} -> {dst}"))
     for rid, res in graph.resources.items():
-        nodes.append(Node(_key("resource", rid), f"{rid}\\n({res.type_name})", "resource"))
+        nodes.append(Node(_key("resource", rid), f"{rid}\\n({res.type_name})", "resource", rid))
         for sid, stage in graph.stages.items():
             if rid in stage.resources:
                 edges.append(Edge(_key("resource", rid), _key("stage", sid), "", dotted=True))

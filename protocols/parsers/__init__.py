@@ -37,8 +37,17 @@ runs first, only its content goes through the tool parser, so nothing inside
 ``<think>`` is ever taken for a call.
 
 Registries map the ids that family files name to parser classes:
-:data:`TOOL_PARSERS` (made with the request's tools and an id factory) and
-:data:`REASONING_PARSERS` (made with format options such as ``starts_inside``).
+:data:`TOOL_PARSERS` (made with the request's tools, an id factory and the
+family's format options, such as the markers of a format that differs from
+another only in them) and :data:`REASONING_PARSERS` (made with format options
+such as ``starts_inside`` or the tags).
+
+A format that interleaves reasoning, content and calls in one markup (gpt-oss's
+harmony channels) is one parser registered in both registries, whose tool parser
+says it :attr:`~protocols.parsers.base.ToolParser.reads_reasoning`: the family
+names it twice, and :func:`make_response_parser` then runs it once, as the tool
+parser when the request has tools and as the reasoning parser (calls left as text)
+when it has none.
 """
 
 from __future__ import annotations
@@ -60,21 +69,26 @@ from protocols.parsers.base import (
     new_call_id,
 )
 from protocols.parsers.gemma4 import Gemma4Parser
+from protocols.parsers.harmony import HarmonyParser, harmony_reasoning
 from protocols.parsers.json_calls import HermesJsonParser, Llama3JsonParser, MistralParser
 from protocols.parsers.loose_calls import LooseCallParser
 from protocols.parsers.pythonic import PythonicParser
+from protocols.parsers.sectioned import SectionedJsonParser
 from protocols.parsers.reasoning import Gemma4ReasoningParser, NullReasoningParser, ThinkTagParser
-from protocols.parsers.xml_calls import Glm4Parser, Qwen3CoderParser
+from protocols.parsers.xml_calls import Glm4Parser, XmlCallParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "null": NullToolParser,
     "hermes_json": HermesJsonParser,
-    "qwen3_coder": Qwen3CoderParser,
+    "qwen3_coder": XmlCallParser,
+    "xml_calls": XmlCallParser,
     "glm4": Glm4Parser,
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
     "mistral": MistralParser,
     "gemma4": Gemma4Parser,
+    "sectioned_json": SectionedJsonParser,
+    "harmony": HarmonyParser,
 }
 """Tool-call parsers by id."""
 
@@ -82,6 +96,7 @@ REASONING_PARSERS: dict[str, Callable[..., StreamParser]] = {
     "null": NullReasoningParser,
     "think_tag": ThinkTagParser,
     "gemma4": Gemma4ReasoningParser,
+    "harmony": harmony_reasoning,
 }
 """Reasoning parsers by id; each takes its options as keyword arguments."""
 
@@ -104,21 +119,50 @@ def register_reasoning_parser(parser_id: str, factory: Callable[..., StreamParse
     REASONING_PARSERS[parser_id] = factory
 
 
+def _keyword_options(factory: Callable[..., Any]) -> list[str]:
+    return [name for name, p in inspect.signature(factory).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "id_factory"]
+
+
+def _options_problem(kind: str, parser_id: str, factory: Callable[..., Any], options: Mapping[str, Any]) -> str | None:
+    valid = _keyword_options(factory)
+    unknown = sorted(set(options) - set(valid))
+    if not unknown:
+        return None
+    return (f"unknown option(s) {', '.join(unknown)} for {kind} parser {parser_id!r}; "
+            f"valid options: {', '.join(valid) or '(none)'}")
+
+
+def tool_options_problem(parser_id: str, options: Mapping[str, Any]) -> str | None:
+    """Why ``options`` do not fit tool parser ``parser_id`` (``None``: they do), for checking family files."""
+    return _options_problem("tool", parser_id, TOOL_PARSERS[parser_id], options)
+
+
+def reasoning_options_problem(parser_id: str, options: Mapping[str, Any]) -> str | None:
+    """Why ``options`` do not fit reasoning parser ``parser_id`` (``None``: they do)."""
+    return _options_problem("reasoning", parser_id, REASONING_PARSERS[parser_id], options)
+
+
 def make_tool_parser(
     parser_id: str | None,
     tools: Sequence[Mapping[str, Any]] = (),
     *,
     id_factory: IdFactory = new_call_id,
     loose: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> ToolParser:
     """A fresh tool parser for one response (``None`` means ``"null"``); ``loose`` also
-    recovers calls to ``tools`` written without the format's markup."""
+    recovers calls to ``tools`` written without the format's markup; ``options`` are the
+    format's (a family's ``tools.options``)."""
     cls = TOOL_PARSERS.get(parser_id or "null")
     if cls is None:
         raise UnknownParserError(
             f"unknown tool parser {parser_id!r}; valid ids: {', '.join(sorted(TOOL_PARSERS))}"
         )
-    parser = cls(tools, id_factory=id_factory)
+    problem = _options_problem("tool", parser_id or "null", cls, options or {})
+    if problem is not None:
+        raise UnknownParserError(problem)
+    parser = cls(tools, id_factory=id_factory, **dict(options or {}))
     # Without declared tools no loose call can match: skip the wrapper and its scanning.
     return LooseCallParser(parser) if loose and parser.schemas else parser
 
@@ -130,17 +174,9 @@ def make_reasoning_parser(parser_id: str | None, **options: Any) -> StreamParser
         raise UnknownParserError(
             f"unknown reasoning parser {parser_id!r}; valid ids: {', '.join(sorted(REASONING_PARSERS))}"
         )
-    valid = [
-        name
-        for name, p in inspect.signature(factory).parameters.items()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    ]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise UnknownParserError(
-            f"unknown option(s) {', '.join(unknown)} for reasoning parser {parser_id!r}; "
-            f"valid options: {', '.join(valid) or '(none)'}"
-        )
+    problem = _options_problem("reasoning", parser_id or "null", factory, options)
+    if problem is not None:
+        raise UnknownParserError(problem)
     return factory(**options)
 
 
@@ -175,12 +211,15 @@ def make_response_parser(
     id_factory: IdFactory = new_call_id,
     reasoning_options: Mapping[str, Any] | None = None,
     loose_tool_calls: bool = False,
+    tool_options: Mapping[str, Any] | None = None,
 ) -> ResponseParser:
     """The parser for one response, from a family's parser ids and options."""
-    return ResponseParser(
-        reasoning=make_reasoning_parser(reasoning_parser, **dict(reasoning_options or {})),
-        tools=make_tool_parser(tool_parser, tools, id_factory=id_factory, loose=loose_tool_calls),
-    )
+    options = tool_options if tool_parser is not None else None  # the family's options are its parser's
+    tool = make_tool_parser(tool_parser, tools, id_factory=id_factory, loose=loose_tool_calls, options=options)
+    if tool.reads_reasoning:
+        return ResponseParser(tools=tool)  # one markup for both: the tool parser reads it all
+    return ResponseParser(reasoning=make_reasoning_parser(reasoning_parser, **dict(reasoning_options or {})),
+                          tools=tool)
 
 
 __all__ = [
@@ -202,4 +241,6 @@ __all__ = [
     "new_call_id",
     "register_reasoning_parser",
     "register_tool_parser",
+    "reasoning_options_problem",
+    "tool_options_problem",
 ]

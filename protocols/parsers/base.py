@@ -22,7 +22,7 @@ import string
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 from protocols.ir import ReasoningDelta, TextDelta, ToolCallDelta
 
@@ -67,6 +67,24 @@ class StreamParser(ABC):
         return coalesce([*self.feed(text), *self.finish()])
 
 
+class BufferedParser(StreamParser):
+    """A state machine that keeps the text it has not decided on in ``_buf``: ``feed`` appends and runs it,
+    ``finish`` runs it a last time (``final``: nothing more will come)."""
+
+    _buf: str
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._run(final=True)
+
+    @abstractmethod
+    def _run(self, final: bool) -> list[Event]:
+        """Decide what the buffer makes certain (everything, when ``final``)."""
+
+
 def coalesce(events: Iterable[Event]) -> list[Event]:
     """Merge adjacent text, adjacent reasoning, and consecutive argument fragments of
     one call; drop empty text. The canonical form for comparing event streams."""
@@ -98,10 +116,12 @@ def coalesce(events: Iterable[Event]) -> list[Event]:
 
 @dataclass(frozen=True)
 class Call:
-    """A parsed call: its name and its arguments as a JSON object string."""
+    """A parsed call: its name, its arguments as a JSON object string, and the id the model
+    wrote for it, in formats where the model numbers its own calls (Kimi K2)."""
 
     name: str
     arguments: str
+    id: str | None = None
 
 
 def _reject_constant(name: str) -> Any:
@@ -201,10 +221,13 @@ class ToolParser(StreamParser):
     constrained to one well-formed call whose arguments match the tool's schema.
     """
 
+    reads_reasoning: ClassVar[bool] = False
+    """True for a format whose one markup holds reasoning too (harmony): then it reads the whole output."""
+
     @classmethod
-    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]], **options: Any) -> tuple[str, ...]:
         """Lark grammars (llguidance dialect) for exactly one call to one of ``tools`` (name → parameters
-        schema), most faithful first (the next is tried when the model's vocabulary cannot compile one);
+        schema) in the format its ``options`` (a family's ``tools.options``) describe, most faithful first (the next is tried when the model's vocabulary cannot compile one);
         none: the format has no grammar, the choice is only asked for in the prompt."""
         return ()
 
@@ -225,10 +248,11 @@ class ToolParser(StreamParser):
         return None
 
     def emit_calls(self, calls: Iterable[Call]) -> list[Event]:
-        """One :class:`ToolCallDelta` per call, whole: index, fresh id, name, arguments."""
+        """One :class:`ToolCallDelta` per call, whole: index, id (the model's own, else a fresh
+        one), name, arguments."""
         out: list[Event] = []
         for call in calls:
-            out.append(ToolCallDelta(self._calls, self._id_factory(), call.name, call.arguments))
+            out.append(ToolCallDelta(self._calls, call.id or self._id_factory(), call.name, call.arguments))
             self._calls += 1
         return out
 

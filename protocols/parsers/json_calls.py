@@ -1,4 +1,4 @@
-"""Formats whose calls are JSON: Hermes/Qwen (``hermes_json``), Llama 3.x
+"""Formats whose calls are JSON: Hermes/Qwen/Granite/Phi-4-mini (``hermes_json``), Llama 3.x
 (``llama3_json``) and Mistral (``mistral``).
 
 A call is ``{"name": ..., "arguments": {...}}`` (``"parameters"`` is accepted for
@@ -9,19 +9,32 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from protocols.parsers.base import JSON, Call, call_from_json, forced_call_schema, make_call
+from protocols.parsers.base import JSON, Call, IdFactory, call_from_json, forced_call_schema, make_call, new_call_id
 from protocols.parsers.markup import Brackets, Lead, MarkupToolParser, Parsed
 
 
 def json_calls(text: str) -> list[Call] | None:
     """One or more JSON values, each a call or a list of calls, separated by
     whitespace; ``None`` unless all of the text is calls."""
+    found = leading_json_calls(text)
+    return found[0] if found is not None and not text[found[1]:].strip() else None
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def leading_json_calls(text: str) -> tuple[list[Call], int] | None:
+    """The calls written as JSON values (each a call or a list of calls) at the start of
+    ``text`` and where they end; ``None`` unless there is at least one and all are calls."""
     calls: list[Call] = []
-    pos, end = _skip_space(text, 0), len(text)
-    while pos < end:
+    pos = end = _skip_space(text, 0)
+    while text.startswith(("{", "["), pos):
         try:
             value, pos = JSON.raw_decode(text, pos)
         except ValueError:
@@ -31,33 +44,55 @@ def json_calls(text: str) -> list[Call] | None:
             if call is None:
                 return None
             calls.append(call)
-        pos = _skip_space(text, pos)
-    return calls or None
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
+        end, pos = pos, _skip_space(text, pos)
+    return (calls, end) if calls else None
 
 
 class HermesJsonParser(MarkupToolParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number, with text
-    around them (Hermes, Qwen 2.5/3, many fine-tunes). An unclosed block at the end of
-    output is a call if its JSON is complete; a truncated one is content."""
+    around them (Hermes, Qwen 2.5/3, Granite 4, many fine-tunes). An unclosed block at the
+    end of output is a call if its JSON is complete; a truncated one is content.
+
+    The markers are options, for formats that differ only in them: Granite 3.x writes
+    ``<|tool_call|>[{...}, ...]`` and Phi-4-mini ``functools[{...}, ...]``, with no closing
+    marker (``end = ""``): the JSON then runs as far as it parses, and text after it is
+    content. A ``start`` ending in ``[`` or ``{`` opens the JSON itself."""
 
     blocks = (("<tool_call>", "</tool_call>"),)
 
+    def __init__(self, tools: Sequence[Mapping[str, Any]] = (), *, id_factory: IdFactory = new_call_id,
+                 start: str = "<tool_call>", end: str = "</tool_call>") -> None:
+        if not start:
+            raise ValueError("hermes_json needs a non-empty start marker")
+        self.start, self.end = start, end
+        super().__init__(tools, id_factory=id_factory)
+
+    def markers(self) -> tuple[tuple[str, str | None], ...]:
+        return ((self.start, self.end or None),)
+
     @classmethod
-    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]], **options: Any) -> tuple[str, ...]:
         call = json.dumps(forced_call_schema(tools))
+        start, end = options.get("start", "<tool_call>"), options.get("end", "</tool_call>")
+        if (start, end) != ("<tool_call>", "</tool_call>"):
+            close = end or {"[": "]", "{": "}"}.get(start[-1:], "")
+            rule = " ".join([json.dumps(start), "call", *([json.dumps(close)] if close else [])])
+            return (f"start: {rule}\ncall: %json {call}",)
         # The markers as the vocabulary's own tokens (Qwen, Hermes), else as text.
         return (f'start: <tool_call> "\\n" call "\\n" </tool_call>\ncall: %json {call}',
                 f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {call}')
 
     def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
-        calls = json_calls(body)
-        return Parsed(tuple(calls)) if calls else None
+        if self.end:
+            calls = json_calls(body)
+            return Parsed(tuple(calls)) if calls else None
+        if opener[-1] in "[{":
+            body = opener[-1] + body
+        found = leading_json_calls(body)
+        if found is None:
+            return None
+        calls, end = found
+        return Parsed(tuple(calls), body[end:])
 
 
 class _Llama3Lead(Lead):
@@ -125,7 +160,7 @@ class Llama3JsonParser(MarkupToolParser):
         return _Llama3Lead()
 
     @classmethod
-    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...]:
+    def forced_call_grammars(cls, tools: Mapping[str, Mapping[str, Any]], **options: Any) -> tuple[str, ...]:
         return (f"start: call\ncall: %json {json.dumps(forced_call_schema(tools, 'parameters'))}",)
 
     def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from protocols.ir import TextDelta
-from protocols.parsers.base import Call, Event, IdFactory, ToolParser, held_suffix, new_call_id
+from protocols.parsers.base import BufferedParser, Call, Event, IdFactory, ToolParser, held_suffix, new_call_id
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,10 @@ class Brackets:
 _CONTENT, _BLOCK, _AFTER, _LEAD = "content", "block", "after", "lead"
 
 
-class MarkupToolParser(ToolParser):
-    """See the module docstring. Subclasses set :attr:`blocks` and implement
-    :meth:`parse_block`; those without markup override :meth:`make_lead`."""
+class MarkupToolParser(ToolParser, BufferedParser):
+    """See the module docstring. Subclasses set :attr:`blocks` (or, when options set
+    them, override :meth:`markers`) and implement :meth:`parse_block`; those without
+    markup override :meth:`make_lead`."""
 
     blocks: ClassVar[tuple[tuple[str, str | None], ...]] = ()
 
@@ -103,14 +104,19 @@ class MarkupToolParser(ToolParser):
         self, tools: Sequence[Mapping[str, Any]] = (), *, id_factory: IdFactory = new_call_id
     ) -> None:
         super().__init__(tools, id_factory=id_factory)
-        self._openers = tuple(sorted((opener for opener, _ in self.blocks), key=len, reverse=True))
-        self._closers = dict(self.blocks)
+        blocks = self.markers()
+        self._openers = tuple(sorted((opener for opener, _ in blocks), key=len, reverse=True))
+        self._closers = dict(blocks)
         self._lead = self.make_lead()
         self._state = _LEAD if self._lead is not None else _CONTENT
         self._buf = ""
         self._opener = ""
         self._spaces = ""  # whitespace dropped before the open block, restored if it fails
         self._scan_from = 0
+
+    def markers(self) -> tuple[tuple[str, str | None], ...]:
+        """The blocks of this instance: :attr:`blocks`, unless the format's options set them."""
+        return self.blocks
 
     def make_lead(self) -> Lead | None:
         return None
@@ -119,13 +125,6 @@ class MarkupToolParser(ToolParser):
     def parse_block(self, opener: str, body: str, closed: bool) -> Parsed | None:
         """Parse the text between ``opener`` and its closer. ``closed`` is false when the
         output ended first (or the format has no closer). ``None``: not calls."""
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
 
     # -- the machine ----------------------------------------------------------------
 

@@ -17,7 +17,7 @@ with other tags, the same shape elsewhere (``gemma4``: ``<|channel>thought…<ch
 from __future__ import annotations
 
 from protocols.ir import ReasoningDelta, TextDelta
-from protocols.parsers.base import Event, StreamParser, held_suffix
+from protocols.parsers.base import BufferedParser, Event, StreamParser, held_suffix
 
 _BEFORE, _OPENING, _INSIDE, _AFTER, _DONE = "before", "opening", "inside", "after", "done"
 
@@ -32,7 +32,7 @@ class NullReasoningParser(StreamParser):
         return []
 
 
-class ThinkTagParser(StreamParser):
+class ThinkTagParser(BufferedParser):
     """See the module docstring."""
 
     def __init__(self, *, starts_inside: bool = False, start: str = "<think>", end: str = "</think>") -> None:
@@ -42,13 +42,6 @@ class ThinkTagParser(StreamParser):
         self.starts_inside = starts_inside
         self._state = _OPENING if starts_inside else _BEFORE
         self._buf = ""
-
-    def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[Event]:
-        return self._run(final=True)
 
     def _run(self, final: bool) -> list[Event]:
         out: list[Event] = []

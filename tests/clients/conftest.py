@@ -73,7 +73,8 @@ def agent_model() -> Path:
 def agent_server(agent_model: Path) -> Iterator[RunningServer]:
     """The default graph on the long-context one-layer model, with frequent end-of-turn tokens."""
     tables = load_tables(GRAPHS / "default.toml")
-    tables["resources"]["model"].update(path=str(agent_model), name=MODEL, aliases=["default"],
+    # "claude-*": the README's recipe for Claude Code started plainly (it asks for its own model names).
+    tables["resources"]["model"].update(path=str(agent_model), name=MODEL, aliases=["default", "claude-*"],
                                         default_max_tokens=DEFAULT_MAX_TOKENS)
     prepares = [s for s in tables["stages"].values() if s.get("type") == "chat.prepare"]
     assert prepares, "default.toml has no chat.prepare stage"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.clients.conftest import MODEL, RecordingProxy, base_env
+from tests.harness import RunningServer
 
 pytestmark = pytest.mark.agents
 
@@ -109,6 +110,23 @@ def test_claude_code_print(recorder: RecordingProxy, claude_cli: list[str], tmp_
     assert first["tools"], "Claude Code sent no tools: the test would not cover tool definitions"
 
 
+def test_claude_code_started_plainly(recorder: RecordingProxy, claude_cli: list[str], tmp_path: Path) -> None:
+    """The README's recipe: only ANTHROPIC_BASE_URL and a token, no model settings; Claude Code asks for its own
+    model names (a main model and a small one for side tasks), which the graph's ``claude-*`` alias answers."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {k: v for k, v in claude_env(recorder.base_url, tmp_path).items()
+           if not k.startswith(("ANTHROPIC_MODEL", "ANTHROPIC_SMALL", "ANTHROPIC_DEFAULT", "CLAUDE_CODE_SUBAGENT"))}
+    command = [*claude_cli, "-p", PROMPT, "--output-format", "json", "--no-session-persistence"]
+    proc, seconds = run_cli(command, env, workdir, recorder)
+    print(f"claude -p (plain): {seconds:.1f} s\n{recorder.report()}")
+    check_run("claude", proc, recorder)
+    assert json.loads(proc.stdout)["is_error"] is False
+    models = {e.json()["model"] for e in recorder.exchanges if e.method == "POST" and "/v1/messages" in e.path
+              and "count_tokens" not in e.path}
+    assert models and all(m.startswith("claude-") for m in models), models
+
+
 # ------------------------------------------------------------------------------------------- Codex
 
 def codex_config(base_url: str) -> str:
@@ -172,3 +190,63 @@ def test_codex_exec(recorder: RecordingProxy, codex_cli: list[str], tmp_path: Pa
         assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
         assert "response.output_item.done" in kinds
     assert responses[0].json()["tools"], "Codex sent no tools: the test would not cover tool definitions"
+
+
+def test_codex_oss_with_its_ollama_provider(recorder: RecordingProxy, codex_cli: list[str], tmp_path: Path) -> None:
+    """``codex --oss --local-provider ollama``, pointed at the server as at an Ollama: it asks /api/version and
+    /api/tags (the model is there, so no pull), then runs the turn on /v1/responses."""
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(
+        'approval_policy = "never"\nsandbox_mode = "read-only"\nweb_search = "disabled"\n'
+        "check_for_update_on_startup = false\nmodel_context_window = 131072\n\n[analytics]\nenabled = false\n",
+        encoding="utf-8")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = base_env(tmp_path / "home")
+    env.update(CODEX_HOME=str(codex_home), CODEX_OSS_BASE_URL=recorder.base_url + "/v1")
+    command = [*codex_cli, "exec", "--oss", "--local-provider", "ollama", "-m", MODEL, "--skip-git-repo-check",
+               "--sandbox", "read-only", "--ephemeral", "--color", "never", "--json", PROMPT]
+    proc, seconds = run_cli(command, env, workdir, recorder)
+    print(f"codex --oss: {seconds:.1f} s, {len(recorder.exchanges)} requests\n{recorder.report()}")
+    check_run("codex --oss", proc, recorder)
+    paths = [(e.method, e.path) for e in recorder.exchanges]
+    assert ("GET", "/api/version") in paths and ("GET", "/api/tags") in paths, paths
+    assert not any(path == "/api/pull" for _, path in paths), "Codex did not find the model in /api/tags"
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    types = [e.get("type") for e in events]
+    assert "turn.completed" in types and "turn.failed" not in types, types
+    assert any(path == "/v1/responses" for _, path in paths)
+
+
+def test_codex_over_the_responses_websocket(agent_server: RunningServer, codex_cli: list[str], tmp_path: Path) -> None:
+    """Codex with a provider that offers WebSockets runs its turn over the Responses WebSocket mode (straight to
+    the server: the recording proxy speaks HTTP only); the server's request counter shows the route it took."""
+    codex_home = tmp_path / "codex-home"
+    codex_home.mkdir()
+    config = codex_config(agent_server.base_url).replace('wire_api = "responses"\n',
+                                                         'wire_api = "responses"\nsupports_websockets = true\n')
+    (codex_home / "config.toml").write_text(config, encoding="utf-8")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = base_env(tmp_path / "home")
+    env.update(CODEX_HOME=str(codex_home), FLOW_API_KEY="flow-test-key")
+    before = websocket_requests(agent_server)
+    command = [*codex_cli, "exec", "--skip-git-repo-check", "--sandbox", "read-only", "--ephemeral",
+               "--color", "never", "--json", PROMPT]
+    proc = subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"codex exited with {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    types = [e.get("type") for e in events]
+    assert "turn.completed" in types and "turn.failed" not in types, types
+    assert websocket_requests(agent_server) > before, "Codex did not use the WebSocket route"
+
+
+def websocket_requests(server: RunningServer) -> float:
+    """Responses answered over the WebSocket route so far (from /metrics)."""
+    import httpx
+
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("flow_requests_total{") and 'route="WEBSOCKET /v1/responses"' in line)

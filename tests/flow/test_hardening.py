@@ -199,9 +199,9 @@ def test_drop_oldest_trims_an_oversized_history_by_size_first(server: RunningSer
 # ---------------------------------------------------------------------------------------------- doors
 
 
-def test_with_a_key_every_route_but_health_needs_it(keyed: RunningServer) -> None:
+def test_with_a_key_every_route_but_health_and_the_console_page_needs_it(keyed: RunningServer) -> None:
     for method, path in [("GET", "/v1/models"), ("GET", "/v1/models/default"), ("GET", "/stats"),
-                         ("GET", "/metrics"), ("GET", "/"), ("GET", "/v1/agents"), ("GET", "/v1/nope"),
+                         ("GET", "/metrics"), ("GET", "/console/graph.svg"), ("GET", "/v1/agents"), ("GET", "/v1/nope"),
                          ("POST", "/v1/chat/completions")]:
         r = httpx.request(method, keyed.base_url + path, headers=JSON, content=b"{}", timeout=30)
         assert r.status_code == 401, (path, r.text)
@@ -211,6 +211,7 @@ def test_with_a_key_every_route_but_health_needs_it(keyed: RunningServer) -> Non
     for headers in ({"x-api-key": "s3cret"}, {"authorization": "Bearer s3cret"}):
         assert httpx.get(keyed.base_url + "/v1/models", headers=headers).status_code == 200
         assert httpx.get(keyed.base_url + "/stats", headers=headers).status_code == 200
+    assert httpx.get(keyed.base_url + "/").status_code == 200  # the console's page: static, it asks for the key
     health = httpx.get(keyed.base_url + "/health")
     assert health.status_code == 200 and "path" not in health.text and str(Path.home()) not in health.text
 

@@ -191,7 +191,7 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny", "messages": MESSAGES, "top_p": 0}).encode(), 400, "top_p", "greater than 0"),
     (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 0}).encode(), 400, "max_tokens", "1"),
     (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": "ten"}).encode(), 400, "max_tokens", "integer"),
-    (json.dumps({"model": "tiny", "messages": MESSAGES, "n": 2}).encode(), 400, "n", "must be 1"),
+    (json.dumps({"model": "tiny", "messages": MESSAGES, "n": 9}).encode(), 400, "n", "at most 8 choices"),
     (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 10**7}).encode(), 400, "max_tokens",
      "context length"),
     (json.dumps({"model": "nope", "messages": MESSAGES}).encode(), 404, "model", "Available models"),

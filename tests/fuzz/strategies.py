@@ -810,8 +810,8 @@ def top_logprobs_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
 
 
 @st.composite
-def n_not_one(draw: Any, ep: Endpoint, body: Any) -> Mutated:
-    value = draw(st.sampled_from([2, 128, 2**63]))
+def n_out_of_range(draw: Any, ep: Endpoint, body: Any) -> Mutated:
+    value = draw(st.sampled_from([0, 9, 128, 2**63]))  # the default graph gives at most 8 choices
     return {**body, "n": value}, f"n: {value}", "reject"
 
 
@@ -967,7 +967,7 @@ def agent_id_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
 
 
 TARGETED_SAMPLING = (logit_bias_out_of_vocab, logit_bias_values, top_k_huge, seed_out_of_range, max_tokens_extreme,
-                     model_unknown, n_not_one)
+                     model_unknown, n_out_of_range)
 TARGETED_CHAT = (*TARGETED_SAMPLING, reserved_template_kwargs, chat_tool_without_name, chat_tool_choice_unknown,
                  chat_tool_choice_other, chat_message_odd, top_logprobs_odd, stop_odd)
 

@@ -318,7 +318,11 @@ def test_fallback_loses_and_duplicates_nothing(case: Case) -> None:
 
 
 def test_every_format_is_covered() -> None:
-    assert {c.parser for c in CASES} == set(TOOL_PARSERS)
+    from flow.families import builtin_families
+    from tests.protocols.test_family_formats import CASES as FAMILY_CASES
+
+    by_family = {builtin_families()[c.family].tools.parser for c in FAMILY_CASES}
+    assert {c.parser for c in CASES} | by_family == set(TOOL_PARSERS)
 
 
 # -- streaming behaviour -----------------------------------------------------------------
@@ -393,7 +397,7 @@ def test_unknown_ids_and_options_say_what_is_valid() -> None:
         make_reasoning_parser("think")
     with pytest.raises(UnknownParserError, match="valid options: starts_inside, start, end"):
         make_reasoning_parser("think_tag", inside=True)
-    assert set(REASONING_PARSERS) == {"null", "think_tag", "gemma4"}
+    assert set(REASONING_PARSERS) == {"null", "think_tag", "gemma4", "harmony"}
     assert isinstance(make_tool_parser(None), type(make_tool_parser("null")))
 
 
@@ -504,6 +508,8 @@ FRAGMENTS = [
     'call:g{a:<|"|>s<|"|>}', "<function=f>", "<parameter=a>", "\n1\n", "</parameter>", "</function>", "<arg_key>", "k",
     "</arg_key>", "<arg_value>", "v", "</arg_value>", "<|python_tag|>", "<|tool_call_start|>", "<|tool_call_end|>",
     "'", '"', "\\", "<think>", "</think>",
+    "<|channel|>", "analysis", "final", " to=functions.f", "<|message|>", "<|end|>", "<|start|>", "<|call|>",
+    "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>",
 ]  # fmt: skip
 
 
@@ -518,7 +524,8 @@ def test_fuzz_chunking_and_conservation(parser_id: str) -> None:
                 return make_response_parser(tool_parser=parser_id, reasoning_parser=reasoning, id_factory=counting_ids())
 
             whole = factory().parse(text)
-            if reasoning is None and not any(isinstance(e, ToolCallDelta) for e in whole):
+            channels = TOOL_PARSERS[parser_id].reads_reasoning  # harmony: channel markup is the format's own
+            if reasoning is None and not channels and not any(isinstance(e, ToolCallDelta) for e in whole):
                 # No calls: the text comes back exactly, markup and whitespace included.
                 assert "".join(e.text for e in whole if isinstance(e, TextDelta)) == text
             for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]:

@@ -82,6 +82,7 @@ class RealServer:
     base_url: str
     model: str  # the id it serves the model under
     path: Path
+    log: Path  # the server's log
 
     @property
     def url(self) -> str:
@@ -89,14 +90,14 @@ class RealServer:
 
 
 @contextmanager
-def real_server(path: Path, data: Path) -> Iterator[RealServer]:
-    """``flow serve default --model PATH`` in a child process, its data directory ``data``.
+def real_server(path: Path, data: Path, graph: str = "default") -> Iterator[RealServer]:
+    """``flow serve GRAPH --model PATH`` in a child process, its data directory ``data``.
 
     A child process, not the in-process server of the other tests: with these models, a server thread that
     touched MLX can abort the interpreter at exit (its thread-local MLX state is torn down during
     finalization and asks for the GIL), which would fail a passing run."""
-    command = [sys.executable, "-m", "flow.cli", "serve", "default", "--model", str(path)]
+    command = [sys.executable, "-m", "flow.cli", "serve", graph, "--model", str(path)]
     env = {**os.environ, "FLOW_DATA_DIR": str(data)}
     with serve_process(command, log=data / "serve.log", env=env, seconds=300) as (_, base_url):
         models = httpx.get(base_url + "/v1/models", timeout=30).json()["data"]
-        yield RealServer(base_url, models[0]["id"], path)
+        yield RealServer(base_url, models[0]["id"], path, data / "serve.log")

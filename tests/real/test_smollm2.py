@@ -59,6 +59,16 @@ def reference(smollm2: RealServer) -> Reference:
     return Reference(smollm2.path)
 
 
+def test_detected_as_chatml_by_its_template(smollm2: RealServer) -> None:
+    """SmolLM2 is a ``llama`` with a ChatML template: the template's fingerprint gives it the chatml family
+    (llama3's would have waited for <|eot_id|>, which its vocabulary lacks), and tools are described in the
+    system message, since its template has no tools branch."""
+    import httpx
+
+    assert httpx.get(smollm2.base_url + "/health", timeout=30).json()["models"][0]["family"] == "chatml"
+    assert "is not in model" not in smollm2.log.read_text()  # no stop token missing from the vocabulary
+
+
 @pytest.fixture(scope="module")
 def expected(reference: Reference) -> tuple[str, int]:
     answer, generated = reference.answer(reference.chat_prompt(MESSAGES))

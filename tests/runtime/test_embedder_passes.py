@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.embeddings import Embedder, PassCost
+from runtime.embeddings import Embedder
+from runtime.pass_cost import PassCost
 
 
 class _Device:

@@ -362,6 +362,40 @@ async def test_cancel_while_waiting_and_prefilling(qwen3: Loaded, engines: Engin
         handle.chunks.close()
 
 
+async def test_choices_share_one_prefill_and_outlive_a_cancelled_first(qwen3: Loaded, engines: Engines) -> None:
+    engine = engines(qwen3, max_batch=8, prefill_chunk=16)
+    prompt = qwen3.chat("tide " * 40)
+    sampled = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2, 3)]
+    alone = [(await collect(engine.submit(prompt, max_tokens=6, stop_ids=frozenset(), sampling=p))).tokens
+             for p in sampled]
+    before = engine.stats.prompt_tokens
+    handles = engine.submit_choices(prompt, [(p, None) for p in sampled], max_tokens=6, stop_ids=frozenset())
+    results = [await collect(h) for h in handles]
+    assert [r.tokens for r in results] == alone  # each choice samples as it would alone
+    assert engine.stats.prompt_tokens - before == len(prompt) - 1 + 3  # one prefill; each choice's last token
+
+    # The first choice's client leaves while its prompt waits (three choices need three rows, one is busy):
+    # the others take its place and go on.
+    engine = engines(qwen3, max_batch=3, prefill_chunk=16)
+    busy = engine.submit(qwen3.chat("hi"), max_tokens=100_000, stop_ids=frozenset(), sampling=GREEDY)
+    await busy.chunks.receive()
+    other = qwen3.chat("foam " * 40)
+    handles = engine.submit_choices(other, [(p, None) for p in sampled], max_tokens=6, stop_ids=frozenset())
+    await wait_until(lambda: engine.waiting == 1)
+    handles[0].cancel()
+    await wait_until(lambda: engine.stats.cancelled == 1)
+    assert engine.waiting == 1  # the two other choices, still waiting for rows
+    busy.cancel()
+    rest = [await collect(h) for h in handles[1:]]
+    expected = [(await collect(engine.submit(other, max_tokens=6, stop_ids=frozenset(), sampling=p))).tokens
+                for p in sampled[1:]]
+    assert [r.tokens for r in rest] == expected
+    await wait_until(lambda: not engine.has_work())
+    assert engine.stats.kv_bytes == 0
+    for handle in (busy, handles[0]):
+        handle.chunks.close()
+
+
 class DuringPass:
     """The engine's model, with ``action`` run on the device thread as its ``nth`` forward pass of ``tokens``
     input tokens per row begins: "the client leaves while this chunk is being computed"."""

@@ -474,3 +474,51 @@ def test_a_block_file_that_does_not_parse_is_refused(damage: str) -> None:
     }[damage]
     with pytest.raises((ValueError, KeyError)):
         _parse_block(bad)
+
+
+async def test_quantized_disk_blocks_round_trip_in_their_own_namespace(device: DeviceThread, rigs: list[Rig],
+                                                                        tmp_path: Path) -> None:
+    """``disk_kv_bits = 8``: blocks go to disk quantized (about a quarter of float32's bytes), come back close to
+    the originals, and live in a namespace of their own: a cache without the setting never reads them."""
+    from runtime.prefix_cache import _to_device, _to_host
+
+    wide = load(device, TinySpec(num_heads=2, num_kv_heads=1))  # head_dim 32: a quantization group fits
+    prompt = conversation(wide, "Where is the lamp?")
+    cached_blocks = (len(prompt) - 1) // BLOCK
+
+    async def cached_tokens(cache: PrefixCache) -> int:
+        engine = rig(rigs, wide, cache).engine
+        hit = await engine.match_prefix(prompt, CachePolicy())
+        handle = engine.submit(prompt, max_tokens=4, stop_ids=wide.eos, sampling=GREEDY, prefix=hit)
+        await collect(handle)  # the output of a lossy cache is the model's on slightly different KV
+        return handle.cached_tokens
+
+    first = disk_cache(tmp_path, disk_kv_bits=8)
+    assert await cached_tokens(first) == 0
+    assert first.disk is not None
+    first.disk.close()
+    files = list((tmp_path / "blocks").rglob("*.safetensors"))
+    assert len(files) >= cached_blocks  # the prompt's, and the answer's full blocks
+    plain = disk_cache(tmp_path)  # the same directory without quantization: another namespace
+    assert await cached_tokens(plain) == 0
+    assert plain.disk is not None
+    plain.disk.close()
+    again = disk_cache(tmp_path, disk_kv_bits=8)
+    assert await cached_tokens(again) == cached_blocks * BLOCK and again.stats.disk_reads == cached_blocks
+    assert again.disk is not None
+    again.disk.close()
+    # Bytes per block at a real model's shapes (16 tokens, 8 KV heads of 128): 8-bit codes with a scale and a
+    # bias per 128 values.
+    for dtype, ratio in ((mx.float32, 3.7), (mx.bfloat16, 1.9)):
+        block = [mx.zeros((1, 8, 16, 128), dtype=dtype)] * 4
+        host_bytes = [sum(a.nbytes for a in _to_host(block, kv_bits=bits).arrays if a is not None)
+                      for bits in (None, 8)]
+        assert host_bytes[0] >= ratio * host_bytes[1], (dtype, host_bytes)
+
+    keys = mx.random.normal((1, 1, BLOCK, 32), key=mx.random.key(1))
+    values = mx.random.normal((1, 1, BLOCK, 32), key=mx.random.key(2))
+    restored = _to_device(_to_host([keys, None, values, values], kv_bits=8))
+    assert restored[1] is None and restored[0] is not None and restored[2] is not None
+    assert restored[0].shape == keys.shape and restored[0].dtype == keys.dtype
+    assert float(mx.abs(restored[0] - keys).max()) < 0.02 * float(mx.abs(keys).max())
+    assert float(mx.abs(restored[2] - values).max()) < 0.02 * float(mx.abs(values).max())

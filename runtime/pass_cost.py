@@ -1,0 +1,39 @@
+"""What a forward pass costs, fitted on the passes just run: the embedder sizes its passes by it, and speculative
+decoding decides from it whether a step verifies drafts."""
+
+from __future__ import annotations
+
+
+class PassCost:
+    """A pass's seconds as ``overhead + per_token × padded tokens``, fitted on recent passes (exponentially
+    weighted least squares): on a CPU a one-input pass costs far more per token than a 64-input one, so a
+    single seconds-per-token average would make time-bounded passes too small."""
+
+    def __init__(self, weight: float = 0.1) -> None:
+        self.weight = weight
+        self.passes = 0
+        self._x = self._y = self._xx = self._xy = 0.0  # weighted means of tokens, seconds, tokens², tokens×seconds
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.passes == 0 else self.weight
+        self._x += w * (tokens - self._x)
+        self._y += w * (seconds - self._y)
+        self._xx += w * (tokens * tokens - self._xx)
+        self._xy += w * (tokens * seconds - self._xy)
+        self.passes += 1
+
+    def fit(self) -> tuple[float, float]:
+        """(overhead seconds, seconds per padded token); a plain average while the sizes seen barely differ."""
+        spread = self._xx - self._x * self._x
+        if self.passes >= 3 and spread > (0.1 * self._x) ** 2:
+            per_token = (self._xy - self._x * self._y) / spread
+            if per_token > 0:
+                return max(0.0, self._y - per_token * self._x), per_token
+        return 0.0, self._y / max(self._x, 1.0)
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """Padded tokens a pass may hold to last about ``seconds``; None before any pass."""
+        if self.passes == 0:
+            return None
+        overhead, per_token = self.fit()
+        return int((seconds - overhead) / per_token)

@@ -1,0 +1,343 @@
+"""What differs between the tiny models' architectures (``runtime/tiny.py``), and the families' ones.
+
+:class:`ArchInfo` holds, per architecture, what its real checkpoints have: special tokens, which of
+them end generation, the chat template, and — for the architectures added for the model families
+(:data:`FAMILY_ARCHS`) — the mlx-lm module and the config.json fields it needs beyond the common
+ones (``fields``, given the layer count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from runtime.tiny_templates import (
+    DEEPSEEK_R1_TEMPLATE,
+    DEEPSEEK_V31_TEMPLATE,
+    GEMMA4_TEMPLATE,
+    GPT_OSS_TEMPLATE,
+    KIMI_K2_TEMPLATE,
+    MINIMAX_M2_TEMPLATE,
+    PHI4_MINI_TEMPLATE,
+    QWEN35_TEMPLATE,
+    SEED_OSS_TEMPLATE,
+)
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    """What differs between architectures, as the real checkpoints have it."""
+
+    model_type: str
+    architecture: str
+    special: tuple[str, ...]  # special tokens, ids 0.. in this order
+    reserved_fmt: str  # name of filler tokens when BPE falls short of the target
+    bos: str | None  # what the tokenizer calls bos_token
+    eos: str
+    pad: str
+    config_bos: str  # config.json's bos_token_id
+    config_eos: tuple[str, ...]  # config.json's eos_token_id
+    stop_tokens: tuple[str, ...]  # generation_config.json's eos_token_id
+    chat_template: str
+    added: tuple[str, ...] = ()  # non-special added tokens (survive skip_special_tokens)
+    unk: str | None = None
+    prepend_bos: bool = False  # tokenizer.encode adds bos (Llama 3 and Gemma do, Qwen does not)
+    tie_embeddings: bool = False
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    module: str = ""  # the mlx-lm module (mlx_lm.models.<module>); "" for the original three
+    fields: Callable[[int], dict[str, Any]] | None = None  # config.json fields beyond the common ones
+
+
+def _gpt_oss_fields(layers: int) -> dict[str, Any]:
+    # Alternating sliding and full attention as the real checkpoints have it (mlx-lm needs one of each),
+    # and a few experts: the mixture-of-experts path is what makes this architecture.
+    return {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000,
+        "rope_scaling": None,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(max(layers, 2))],
+        "hidden_act": "silu",
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+    }
+
+
+def _deepseek_v3_fields(layers: int) -> dict[str, Any]:
+    # Multi-head latent attention and a mixture of experts behind one dense layer, as V3 and Kimi K2 have.
+    return {
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+    }
+
+
+def _minimax_fields(layers: int) -> dict[str, Any]:
+    return {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 0,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5_000_000.0,
+        "rotary_dim": 8,
+        "scoring_func": "sigmoid",
+        "use_qk_norm": True,
+        "hidden_act": "silu",
+    }
+
+
+def _seed_oss_fields(layers: int) -> dict[str, Any]:
+    return {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000_000.0,
+        "rope_scaling": None,
+        "attention_bias": True,
+        "attention_out_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+    }
+
+
+def _qwen3_5_fields(layers: int) -> dict[str, Any]:
+    # Gated-delta linear attention with a full attention layer every second one (the real models: every fourth).
+    return {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"type": "default", "mrope_section": [1, 1, 0], "rope_theta": 100000,
+                            "partial_rotary_factor": 0.25},
+        "hidden_act": "silu",
+    }
+
+
+def qwen3_next_fields(layers: int) -> dict[str, Any]:
+    """Qwen3-Next: gated-delta layers with full attention every second one, a mixture of experts with a shared one."""
+    return {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+    }
+
+
+def _gemma4_fields(layers: int) -> dict[str, Any]:
+    # One sliding and one full attention layer, no per-layer inputs or shared KV (the small real models have them).
+    return {
+        "global_head_dim": 16,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": 0,
+        "sliding_window": 128,
+        "sliding_window_pattern": 2,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers - 1)]
+        + ["full_attention"],
+        "use_double_wide_mlp": False,
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _phi3_fields(layers: int) -> dict[str, Any]:
+    # Phi-4-mini rotates three quarters of each head.
+    return {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 4096, "hidden_act": "silu"}
+
+
+_DEEPSEEK_TOOL_TOKENS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                         "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                         "<｜tool▁output▁end｜>", "<｜tool▁sep｜>")
+
+FAMILY_ARCHS: dict[str, ArchInfo] = {
+    # openai/gpt-oss: the o200k harmony special tokens; <|return|> ends an answer, <|call|> a call.
+    "gpt_oss": ArchInfo(
+        model_type="gpt_oss",
+        architecture="GptOssForCausalLM",
+        special=("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                 "<|constrain|>", "<|return|>", "<|call|>"),
+        reserved_fmt="<|reserved_{}|>",
+        bos="<|startoftext|>",
+        eos="<|return|>",
+        pad="<|endoftext|>",
+        config_bos="<|startoftext|>",
+        config_eos=("<|return|>",),
+        stop_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
+        chat_template=GPT_OSS_TEMPLATE,
+        module="gpt_oss",
+        fields=_gpt_oss_fields,
+    ),
+    # deepseek-ai/DeepSeek-V3.1: <think> and </think> are ordinary added tokens, the tool markers special.
+    "deepseek_v3": ArchInfo(
+        model_type="deepseek_v3",
+        architecture="DeepseekV3ForCausalLM",
+        special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<｜User｜>", "<｜Assistant｜>",
+                 *_DEEPSEEK_TOOL_TOKENS),
+        added=("<think>", "</think>"),
+        reserved_fmt="<｜place▁holder▁no▁{}｜>",
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+        pad="<｜▁pad▁｜>",
+        prepend_bos=True,
+        config_bos="<｜begin▁of▁sentence｜>",
+        config_eos=("<｜end▁of▁sentence｜>",),
+        stop_tokens=("<｜end▁of▁sentence｜>",),
+        chat_template=DEEPSEEK_V31_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.95},
+        module="deepseek_v3",
+        fields=_deepseek_v3_fields,
+    ),
+    # moonshotai/Kimi-K2: DeepSeek V3's architecture under its own model_type, ChatML-like im_ tokens.
+    "kimi_k2": ArchInfo(
+        model_type="kimi_k2",
+        architecture="DeepseekV3ForCausalLM",
+        special=("[BOS]", "[EOS]", "[PAD]", "[UNK]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                 "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>"),
+        reserved_fmt="<|reserved_token_{}|>",
+        bos="[BOS]",
+        eos="<|im_end|>",
+        pad="[PAD]",
+        unk="[UNK]",
+        config_bos="[BOS]",
+        config_eos=("<|im_end|>",),
+        stop_tokens=("<|im_end|>", "[EOS]"),
+        chat_template=KIMI_K2_TEMPLATE,
+        generation_defaults={"temperature": 1.0},
+        module="deepseek_v3",
+        fields=_deepseek_v3_fields,
+    ),
+    # MiniMaxAI/MiniMax-M2: ]~!b[ begins the text, ]~b] a turn, [e~[ ends one.
+    "minimax": ArchInfo(
+        model_type="minimax_m2",
+        architecture="MiniMaxM2ForCausalLM",
+        special=("]~!b[", "]~b]", "[e~[", "<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+        reserved_fmt="<minimax:reserved_{}>",
+        bos="]~!b[",
+        eos="[e~[",
+        pad="[e~[",
+        config_bos="]~!b[",
+        config_eos=("[e~[",),
+        stop_tokens=("[e~[",),
+        chat_template=MINIMAX_M2_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 40},
+        module="minimax",
+        fields=_minimax_fields,
+    ),
+    # ByteDance-Seed/Seed-OSS-36B-Instruct: <seed:…> turn, thinking and call tokens.
+    "seed_oss": ArchInfo(
+        model_type="seed_oss",
+        architecture="SeedOssForCausalLM",
+        special=("<seed:bos>", "<seed:eos>", "<seed:pad>", "<seed:think>", "</seed:think>", "<seed:tool_call>",
+                 "</seed:tool_call>", "<seed:cot_budget_reflect>", "</seed:cot_budget_reflect>"),
+        reserved_fmt="<[PLHD{}_never_used]>",
+        bos="<seed:bos>",
+        eos="<seed:eos>",
+        pad="<seed:pad>",
+        config_bos="<seed:bos>",
+        config_eos=("<seed:eos>",),
+        stop_tokens=("<seed:eos>",),
+        chat_template=SEED_OSS_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 1.1, "top_p": 0.95},
+        module="seed_oss",
+        fields=_seed_oss_fields,
+    ),
+    # Qwen/Qwen3.5: Qwen's ChatML tokens and vision placeholders; <think> and the tool tags are added tokens.
+    "qwen3_5": ArchInfo(
+        model_type="qwen3_5",
+        architecture="Qwen3_5ForConditionalGeneration",
+        special=("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                 "<|video_pad|>"),
+        added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        reserved_fmt="<|extra_{}|>",
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        config_bos="<|endoftext|>",
+        config_eos=("<|im_end|>",),
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        chat_template=QWEN35_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+        module="qwen3_5",
+        fields=_qwen3_5_fields,
+    ),
+    # google/gemma-4: Gemma's <pad> <eos> <bos> <unk> first, then the turn, tool and channel tokens.
+    "gemma4": ArchInfo(
+        model_type="gemma4_text",
+        architecture="Gemma4ForCausalLM",
+        special=("<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>",
+                 "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>",
+                 "<|think|>", "<|image|>", "<|audio|>", "<|video|>"),
+        reserved_fmt="<unused{}>",
+        bos="<bos>",
+        eos="<turn|>",
+        pad="<pad>",
+        unk="<unk>",
+        prepend_bos=True,
+        config_bos="<bos>",
+        config_eos=("<eos>", "<turn|>"),
+        stop_tokens=("<eos>", "<turn|>"),
+        tie_embeddings=True,
+        chat_template=GEMMA4_TEMPLATE,
+        generation_defaults={"do_sample": True, "top_k": 64, "top_p": 0.95, "temperature": 1.0},
+        module="gemma4_text",
+        fields=_gemma4_fields,
+    ),
+    # microsoft/Phi-4-mini-instruct: <|ROLE|> turns ending in <|end|>, tool wrappers as special tokens.
+    "phi3": ArchInfo(
+        model_type="phi3",
+        architecture="Phi3ForCausalLM",
+        special=("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
+                 "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|tag|>"),
+        reserved_fmt="<|dummy_{}|>",
+        bos="<|endoftext|>",
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        config_bos="<|endoftext|>",
+        config_eos=("<|endoftext|>", "<|end|>"),
+        stop_tokens=("<|endoftext|>", "<|end|>"),
+        chat_template=PHI4_MINI_TEMPLATE,
+        module="phi3",
+        fields=_phi3_fields,
+    ),
+}
+# deepseek-ai/DeepSeek-R1: V3's architecture and vocabulary, R1's template.
+FAMILY_ARCHS["deepseek_r1"] = replace(FAMILY_ARCHS["deepseek_v3"], chat_template=DEEPSEEK_R1_TEMPLATE)

@@ -1,0 +1,120 @@
+"""The console's routes over HTTP (the page in a real browser: test_console_browser.py), its figures in
+``/stats``, and ``flow viz --format svg|html``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flow import cli
+from flow.compiler import compile_file, compile_tables
+from tests.harness import GRAPHS, RunningServer, graph_with_key, running_server, tables_with_model
+from viz.svg import render_svg
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny_qwen3: Path) -> Iterator[RunningServer]:
+    with running_server(graph_with_key(tiny_qwen3, "s3cret", "console-keyed")) as running:
+        yield running
+
+
+def test_the_page_is_one_self_contained_document(qwen3_server: RunningServer) -> None:
+    page = httpx.get(qwen3_server.base_url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    # Nothing is loaded from elsewhere: no external script, style sheet, image or font.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page.text)
+    assert "/*CONSOLE_JS*/" not in page.text and "function poll()" in page.text and ".flow-graph" in page.text
+    assert httpx.head(qwen3_server.base_url + "/", timeout=10).status_code == 200  # connectivity checks
+
+
+def test_the_drawing_has_every_stage_and_edge_of_the_live_graph(qwen3_server: RunningServer) -> None:
+    svg = httpx.get(qwen3_server.base_url + "/console/graph.svg", timeout=10)
+    assert svg.status_code == 200 and svg.headers["content-type"].startswith("image/svg+xml")
+    graph = qwen3_server.server.live.gen.graph
+    stages = set(re.findall(r'data-stage="([^"]+)"', svg.text))
+    assert stages == set(graph.stages)
+    edges = {e.replace("&gt;", ">") for e in re.findall(r'data-edge="([^"]+)"', svg.text)}
+    assert edges == {f"{src} -> {dst}" for src, dst in graph.graph.edges}
+    assert set(re.findall(r'data-resource="([^"]+)"', svg.text)) == set(graph.resources)
+    assert "PreparedPrompt" in svg.text and "StreamEvent" in svg.text  # edges say what they carry
+
+
+def test_stats_carry_what_the_page_draws(qwen3_server: RunningServer) -> None:
+    r = httpx.post(qwen3_server.url + "/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200
+    httpx.post(qwen3_server.url + "/chat/completions", json={"model": "tiny", "messages": "not a list"})
+    stats = httpx.get(qwen3_server.base_url + "/stats").json()
+    prepare = stats["stages"]["prepare"]
+    assert prepare["runs"] >= 1 and prepare["active"] == 0 and prepare["queued"] == 0
+    assert stats["stages"]["openai_chat"]["errors"] >= 1  # the malformed body failed in the decode stage
+    assert stats["edges"]["generate -> process"]["queued"] == 0
+    model = stats["models"]["tiny"]
+    assert model["resource"] == "model" and model["pinned"] is False and model["idle_seconds"] >= 0
+    assert "loading_seconds" not in model  # only while a load is under way
+    recent = stats["recent_requests"]
+    chats = [r for r in recent if r["route"] == "POST /v1/chat/completions"]
+    assert {200, 400} <= {r["status"] for r in chats}
+    done = next(r for r in chats if r["status"] == 200)
+    assert not done["running"] and done["duration_ms"] >= done["ttfb_ms"] > 0
+    assert done["model"] == "tiny" and done["prompt_tokens"] > 0 and 1 <= done["completion_tokens"] <= 3
+
+
+def test_with_a_key_the_page_opens_and_everything_it_reads_needs_the_key(keyed: RunningServer) -> None:
+    page = httpx.get(keyed.base_url + "/", timeout=10)
+    assert page.status_code == 200 and "key-dialog" in page.text
+    assert "s3cret" not in page.text and "tiny" not in page.text  # the page holds no server data
+    for path in ("/console/graph.svg", "/stats"):
+        refused = httpx.get(keyed.base_url + path, timeout=10)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(keyed.base_url + path, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    # Public is the page's route only, with its method: nothing else on it, no other path under it.
+    assert httpx.post(keyed.base_url + "/", json={}).status_code == 401
+    assert httpx.get(keyed.base_url + "/v1/nope").status_code == 401
+    # Public still checks host and origin.
+    rebinding = httpx.get(keyed.base_url + "/", headers={"host": "attacker.example"})
+    assert rebinding.status_code == 403
+
+
+def test_a_graph_without_the_console_still_answers_root(tiny_qwen3: Path) -> None:
+    tables = tables_with_model(tiny_qwen3)
+    del tables["stages"]["console"], tables["stages"]["console_graph"]
+    with running_server(compile_tables(tables, "no-console")) as running:
+        root = httpx.get(running.base_url + "/", timeout=10)
+        assert root.status_code == 200 and root.json()["status"] == "ok"
+        assert httpx.head(running.base_url + "/", timeout=10).status_code == 200
+        missing = httpx.get(running.base_url + "/console/graph.svg", timeout=10)
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_flow_viz_writes_the_same_drawing_as_svg_and_html(tmp_path: Path) -> None:
+    expected = render_svg(compile_file(GRAPHS / "default.toml"))
+    stages = sorted(set(re.findall(r'data-stage="([^"]+)"', expected)))
+    for fmt in ("svg", "html"):
+        out = tmp_path / f"graph.{fmt}"
+        assert cli.main(["viz", "default", "--format", fmt, "-o", str(out)]) == 0
+        text = out.read_text()
+        assert sorted(set(re.findall(r'data-stage="([^"]+)"', text))) == stages
+        assert ".flow-graph" in text and "<script" not in text and "http://www.w3.org/2000/svg" in text
+    assert (tmp_path / "graph.html").read_text().startswith("<!doctype html>")
+    svg = (tmp_path / "graph.svg").read_text()
+    assert svg.startswith("<svg") and "<style>" in svg
+
+
+def test_after_a_reload_the_drawing_is_the_new_graph(tiny_qwen3: Path) -> None:
+    tables = tables_with_model(tiny_qwen3)
+    edited = tables_with_model(tiny_qwen3)
+    del edited["stages"]["rerank_in"], edited["stages"]["rerank"], edited["stages"]["rerank_out"]
+    with running_server(compile_tables(tables, "v1"), loader=lambda: compile_tables(edited, "v2")) as running:
+        before = httpx.get(running.base_url + "/console/graph.svg", timeout=10).text
+        assert 'data-stage="rerank"' in before
+        assert httpx.post(running.base_url + "/admin/reload", timeout=120).status_code == 200
+        after = httpx.get(running.base_url + "/console/graph.svg", timeout=10).text
+        assert 'data-stage="rerank"' not in after and 'data-stage="prepare"' in after
+        assert httpx.get(running.base_url + "/stats", timeout=10).json()["graph"]["version"] == 2

@@ -1,0 +1,266 @@
+"""Speculative decoding (prompt lookup) in the continuous batch, on tiny real models: greedy output identical
+with speculation on and off — alone, in a batch whose rows accept different amounts, with stops and limits
+landing inside accepted drafts; sampled rows keep the model's distribution (rejection sampling, measured);
+the drafter's lookup and its adaptive length."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import trio
+
+from protocols.ir import SamplingParams
+from runtime.device import DeviceThread
+from runtime.engine import Engine
+from runtime.engine_config import EngineConfig, SpeculativeConfig
+from runtime.models import LoadedModel, load_model
+from runtime.sampling import SequenceSampler
+from runtime.speculative import DraftState, sampled_verify
+from runtime.tiny import ensure_tiny_model
+
+NGRAM = SpeculativeConfig(kind="ngram", max_draft=6)
+GREEDY = SamplingParams()
+REPEATING = list(range(5, 45)) * 3  # a prompt the model's random weights tend to continue by repetition
+PLAIN = list(range(200, 260))
+
+
+@pytest.fixture(scope="module")
+def device() -> Iterator[DeviceThread]:
+    thread = DeviceThread("test-speculative-device")
+    thread.start()
+    yield thread
+    thread.stop()
+
+
+def pair(device: DeviceThread, preset: str) -> tuple[LoadedModel, LoadedModel]:
+    """The same model twice: speculation off, and on."""
+    path = ensure_tiny_model(preset)
+    return (load_model(f"{preset}-off", path, device, EngineConfig()),
+            load_model(f"{preset}-on", path, device, EngineConfig(speculative=NGRAM)))
+
+
+async def tokens(engine: Engine, prompt: list[int], max_tokens: int = 40, sampling: SamplingParams = GREEDY,
+                 stop: frozenset[int] = frozenset()) -> tuple[list[int], str | None]:
+    handle = engine.submit(prompt, max_tokens=max_tokens, stop_ids=stop, sampling=sampling)
+    out: list[int] = []
+    finish = None
+    async with handle:
+        async for chunk in handle.chunks:
+            out.extend(chunk.token_ids)
+            finish = chunk.finish_reason
+    assert handle.error is None
+    return out, finish
+
+
+async def together(engine: Engine, prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        results[i] = (await tokens(engine, prompts[i], **kwargs))[0]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(prompts)):
+            nursery.start_soon(one, i)
+    return results
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+async def test_greedy_output_is_identical_with_lookup_drafts(device: DeviceThread, preset: str) -> None:
+    """With the n-gram drafter's own proposals (verified or not, as the measured cost decides)."""
+    off, on = pair(device, preset)
+    try:
+        prompts = [REPEATING, PLAIN, REPEATING[::-1] + REPEATING[:30]]
+        for prompt in prompts:
+            assert (await tokens(on.engine, prompt))[0] == (await tokens(off.engine, prompt))[0]
+        assert await together(on.engine, prompts) == await together(off.engine, prompts)
+    finally:
+        off.engine.close()
+        on.engine.close()
+
+
+@pytest.fixture
+def always_verify(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step with drafts verifies them, whatever the measured cost says (it depends on this machine's load):
+    the tests that check what verification does must see it happen."""
+    import runtime.engine
+
+    monkeypatch.setattr(runtime.engine, "worth_verifying",
+                        lambda drafts, states, cost: max(len(d) for d in drafts))
+
+
+def oracle(futures: dict[int, list[int]], wrong_after: int | None = None) -> Any:
+    """A stand-in for the n-gram lookup that proposes each row's true greedy continuation (its future known from
+    a run without speculation, keyed by prompt length), or that continuation with a wrong token after
+    ``wrong_after`` correct ones: drafts accepted in full or in part, at will."""
+
+    def propose(self: DraftState, limit: int) -> list[int]:
+        prompt_length = min(futures, key=lambda n: abs(self.count - n) if self.count >= n else 10**9)
+        done = self.count - prompt_length  # generated tokens in the history, the current input included
+        draft = futures[prompt_length][done : done + min(limit, 6)]
+        if wrong_after is not None and len(draft) > wrong_after:
+            draft = [*draft[:wrong_after], (draft[wrong_after] + 1) % 1000, *draft[wrong_after + 1 :]]
+        return draft
+    return propose
+
+
+async def test_stops_and_limits_inside_accepted_drafts(device: DeviceThread, monkeypatch: pytest.MonkeyPatch,
+                                                      always_verify: None) -> None:
+    off, on = pair(device, "tiny-llama")
+    try:
+        full, _ = await tokens(off.engine, REPEATING, max_tokens=60)
+        monkeypatch.setattr(DraftState, "propose", oracle({len(REPEATING): full}))
+        for max_tokens in (1, 2, 7, 13, 60):  # limits landing anywhere in a step's accepted tokens
+            assert await tokens(on.engine, REPEATING, max_tokens=max_tokens) == (full[:max_tokens], "length")
+        assert on.engine.stats.accepted_tokens > 40  # the oracle's drafts are accepted
+        stop = frozenset({full[17]})
+        expected = full[: full.index(full[17])]
+        assert await tokens(on.engine, REPEATING, max_tokens=60, stop=stop) == (expected, "stop")
+    finally:
+        off.engine.close()
+        on.engine.close()
+
+
+async def test_rows_rejecting_at_different_places_share_the_batch(device: DeviceThread,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  always_verify: None) -> None:
+    off, on = pair(device, "tiny-qwen3")
+    try:
+        prompts = [REPEATING[:k] for k in (50, 70, 90, 110)]
+        futures = {len(p): (await tokens(off.engine, p, max_tokens=40))[0] for p in prompts}
+        for wrong_after in (0, 1, 3):
+            monkeypatch.setattr(DraftState, "propose", oracle(futures, wrong_after))
+            before = on.engine.stats.accepted_tokens
+            assert await together(on.engine, prompts) == [futures[len(p)] for p in prompts]
+            assert on.engine.stats.accepted_tokens - before >= wrong_after * 10
+    finally:
+        off.engine.close()
+        on.engine.close()
+
+
+async def test_sliding_window_models_decode_without_drafts(device: DeviceThread) -> None:
+    off, on = pair(device, "tiny-gemma3")  # rotating caches: per-row trimming does not apply
+    try:
+        assert (await tokens(on.engine, REPEATING))[0] == (await tokens(off.engine, REPEATING))[0]
+        assert on.engine.stats.speculative_steps == 0
+    finally:
+        off.engine.close()
+        on.engine.close()
+
+
+async def test_cancelling_a_speculating_row_frees_its_kv(device: DeviceThread,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         always_verify: None) -> None:
+    off, on = pair(device, "tiny-llama")
+    try:
+        future, _ = await tokens(off.engine, REPEATING, max_tokens=60)
+        monkeypatch.setattr(DraftState, "propose", oracle({len(REPEATING): future}))
+        handle = on.engine.submit(REPEATING, max_tokens=10_000, stop_ids=frozenset(), sampling=GREEDY)
+        seen = 0
+        async for chunk in handle.chunks:
+            seen += len(chunk.token_ids)
+            if seen > 20:
+                break
+        handle.cancel()
+        handle.chunks.close()
+        with trio.fail_after(30):
+            while on.engine.has_work():
+                await trio.sleep(0.01)
+        assert on.engine.stats.kv_bytes == 0 and on.engine.stats.speculative_steps > 0
+    finally:
+        off.engine.close()
+        on.engine.close()
+
+
+async def test_sampled_rows_give_what_the_seed_gives_without_speculation(device: DeviceThread,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                  always_verify: None) -> None:
+    off, on = pair(device, "tiny-llama")
+    try:
+        sampled = SamplingParams(temperature=0.02, seed=4)  # sharp: the greedy future is often what it draws
+        plain, _ = await tokens(off.engine, REPEATING, sampling=sampled)
+        greedy_future, _ = await tokens(off.engine, REPEATING, max_tokens=40)
+        monkeypatch.setattr(DraftState, "propose", oracle({len(REPEATING): greedy_future}))
+        assert (await tokens(on.engine, REPEATING, sampling=sampled))[0] == plain  # token for token
+        assert on.engine.stats.draft_tokens > 0
+    finally:
+        off.engine.close()
+        on.engine.close()
+
+
+def test_rejection_sampling_keeps_the_models_distribution() -> None:
+    """Tokens from sampled_verify follow the target distribution whatever the draft: the first token's
+    frequencies match p0, the second's (after an accepted first) match p1 (chi-square, 6,000 draws)."""
+    p0 = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    p1 = np.array([0.1, 0.1, 0.6, 0.1, 0.1])
+    logprobs = mx.log(mx.array(np.stack([p0, p1, p1]), dtype=mx.float32))
+    sampler = SequenceSampler(SamplingParams(temperature=1.0, seed=1))
+    draft = [1, 2]  # a token the model gives 0.2, then one it gives 0.6
+    first, second = np.zeros(5), np.zeros(5)
+    draws = 6000
+    for _ in range(draws):
+        accepted, following = sampled_verify(sampler, logprobs, draft)
+        out = [*draft[:accepted], following]
+        first[out[0]] += 1
+        if accepted >= 1:
+            second[out[1]] += 1
+    for observed, expected in ((first, p0), (second, p1)):
+        total = observed.sum()
+        chi2 = float((((observed - total * expected) ** 2) / (total * expected)).sum())
+        assert chi2 < 18.5, (observed / total, expected)  # p ≈ 0.001 at 4 degrees of freedom
+    assert abs(first[1] / draws - 0.2) < 0.03  # the draft token itself is not favoured
+
+
+def test_the_drafter_looks_up_the_latest_longest_match() -> None:
+    state = DraftState(SpeculativeConfig(kind="ngram", max_draft=4, min_ngram=2, max_ngram=3))
+    state.extend([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3])
+    assert state.length == 2
+    assert state.propose(10) == [7, 8]  # after the latest earlier "1 2 3", not the first
+    state.record(2, 2)
+    assert state.length == 4 and state.propose(10) == [7, 8, 5, 1]
+    assert state.propose(1) == [7]  # never more than asked
+    state.extend([4, 4])
+    assert state.propose(10) == []  # "3 4 4" and "4 4" never occurred before
+    for _ in range(3):
+        state.record(3, 0)
+    assert state.cool_down > 0 and state.extend([1, 2]) is None and state.propose(10) == []  # cooling down
+
+
+def test_the_graph_setting_reaches_the_engine(tmp_path: Path) -> None:
+    from flow.compiler import compile_tables
+    from tests.harness import tables_with_model
+
+    tables = tables_with_model(ensure_tiny_model("tiny-llama"))
+    tables["resources"]["model"]["speculative"] = {"kind": "ngram", "max_draft": 3, "max_batch": 2}
+    graph = compile_tables(tables, "speculative (test)")
+    assert graph.resources["model"].config.speculative.max_draft == 3  # type: ignore[attr-defined]
+    tables["resources"]["model"]["speculative"] = {"kind": "ngram", "min_ngram": 5, "max_ngram": 3}
+    with pytest.raises(Exception, match="min_ngram"):
+        compile_tables(tables, "speculative (test)")
+
+
+def test_the_window_is_as_wide_as_the_measured_cost_pays_for() -> None:
+    from runtime.pass_cost import PassCost
+    from runtime.speculative import worth_verifying
+
+    config = SpeculativeConfig(kind="ngram", max_draft=8)
+    good, poor = DraftState(config), DraftState(config)
+    good.proposed, good.accepted = 100, 95
+    poor.proposed, poor.accepted = 100, 2
+    flat, steep = PassCost(weight=0.5), PassCost(weight=0.5)
+    for tokens in (1, 4, 9, 2):
+        flat.add(tokens, 0.010 + 0.0001 * tokens)  # a pass costs about the same whatever its tokens (a GPU)
+        steep.add(tokens, 0.001 + 0.010 * tokens)  # a pass costs its tokens (a CPU on a big model)
+    drafts = [[1] * 8, [2] * 8]
+    assert worth_verifying(drafts, [good, good], flat) == 8
+    assert worth_verifying(drafts, [poor, poor], steep) == 0  # rejected drafts are not worth the tokens
+    assert worth_verifying([[1] * 8], [good], None) == 8  # no measured cost (a GPU): the widest
+    assert worth_verifying([[], []], [good, good], flat) == 0

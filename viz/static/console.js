@@ -1,0 +1,387 @@
+// The console's script (viz/console.py inlines it): reads /stats on a timer and paints the drawing's live
+// figures, fills the panels, and runs the playground's chat through the OpenAI route. No library, no build.
+"use strict";
+
+const CONFIG = JSON.parse(document.getElementById("console-config").textContent);
+const KEY_ITEM = "flow.apiKey";
+const $ = (id) => document.getElementById(id);
+
+// ------------------------------------------------------------------ the API key (this tab's session only)
+function apiKey() { return sessionStorage.getItem(KEY_ITEM); }
+
+function headers(extra) {
+  const out = Object.assign({}, extra || {});
+  const key = apiKey();
+  if (key) out["authorization"] = "Bearer " + key;
+  return out;
+}
+
+let keyWaiters = [];
+function askForKey(refused) {
+  $("key-error").hidden = !refused;
+  const dialog = $("key-dialog");
+  if (!dialog.open) dialog.showModal();
+  $("api-key").focus();
+  return new Promise((resolve) => keyWaiters.push(resolve));
+}
+
+// Escape would close the dialog and leave the page waiting for a key forever: nothing works without one.
+$("key-dialog").addEventListener("cancel", (event) => event.preventDefault());
+
+$("key-form").addEventListener("submit", () => {
+  sessionStorage.setItem(KEY_ITEM, $("api-key").value.trim());
+  $("api-key").value = "";
+  const waiters = keyWaiters;
+  keyWaiters = [];
+  waiters.forEach((resolve) => resolve());
+});
+
+// A call to the server with the key; a 401 asks for the key (again) and retries.
+async function call(path, init) {
+  for (;;) {
+    const response = await fetch(path, Object.assign({}, init || {}, {headers: headers((init || {}).headers)}));
+    if (response.status !== 401) return response;
+    await askForKey(apiKey() !== null);
+  }
+}
+
+// ------------------------------------------------------------------ formatting
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+}
+function fmtRate(x) { return x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : x.toFixed(2).replace(/\.?0+$/, ""); }
+function cell(text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text === null || text === undefined ? "–" : String(text);
+  if (cls) td.className = cls;
+  return td;
+}
+function fillRows(tbody, rows) {
+  tbody.replaceChildren(...rows);
+}
+
+// ------------------------------------------------------------------ the drawing
+async function loadGraph() {
+  const response = await call(CONFIG.graph_path);
+  if (!response.ok) {
+    $("graph").textContent = "The graph drawing is not available (" + response.status + ").";
+    return;
+  }
+  const text = await response.text();
+  const doc = new DOMParser().parseFromString(text, "image/svg+xml");
+  const svg = doc.documentElement;
+  if (svg.nodeName !== "svg") {
+    $("graph").textContent = "The graph drawing could not be read.";
+    return;
+  }
+  $("graph").replaceChildren(document.importNode(svg, true));
+}
+
+function liveText(group, text) {
+  const el = group.querySelector("text.live");
+  if (el && el.textContent !== text) el.textContent = text;
+}
+
+// Edge rates are computed here from the counters' change between two readings.
+let previous = null;
+
+function paintGraph(stats, seconds) {
+  const root = $("graph");
+  for (const group of root.querySelectorAll("g[data-stage]")) {
+    const st = (stats.stages || {})[group.dataset.stage];
+    if (!st) { liveText(group, ""); continue; }
+    const before = previous && previous.stages ? previous.stages[group.dataset.stage] : null;
+    const parts = ["active " + st.active, "runs " + st.runs];
+    if (st.errors) parts.push("errors " + st.errors);
+    if (st.queued) parts.push("queued " + st.queued);
+    liveText(group, parts.join(" · "));
+    group.classList.toggle("busy", st.active > 0);
+    group.classList.toggle("failing", !!before && st.errors > before.errors);
+  }
+  for (const group of root.querySelectorAll("g[data-edge]")) {
+    const edge = (stats.edges || {})[group.dataset.edge];
+    if (!edge || !edge.items) { liveText(group, ""); continue; }  // never used yet: keep the drawing quiet
+    const before = previous && previous.edges ? previous.edges[group.dataset.edge] : null;
+    const rate = before && seconds > 0 ? Math.max(0, edge.items - before.items) / seconds : 0;
+    const parts = [fmtRate(rate) + " items/s"];
+    if (edge.queued) parts.push("q " + edge.queued);
+    liveText(group, parts.join(" · "));
+    group.classList.toggle("flowing", rate > 0);
+  }
+  for (const group of root.querySelectorAll("g[data-resource]")) {
+    liveText(group, resourceLine(group.dataset.resource, stats));
+  }
+}
+
+function resourceLine(rid, stats) {
+  const model = Object.values(stats.models || {}).find((m) => m.resource === rid || m.id === rid);
+  const res = (stats.resources || {})[rid];
+  if (res && res.type === "prefix_cache") {
+    const disk = res.disk ? res.disk.bytes : 0;
+    return "hit " + (100 * (res.hit_rate || 0)).toFixed(0) + "% · hot " + fmtBytes(res.hot_bytes) +
+      " · disk " + fmtBytes(disk);
+  }
+  if (res && res.type === "model_pool") return "loaded " + res.loaded.length + " · " + fmtBytes(res.loaded_bytes);
+  if (res && "entries" in res) return res.entries + " entries · " + fmtBytes(res.bytes || 0);
+  if (res && "agents" in res) return res.agents + " agents";
+  if (res && res.state && res.state !== "ok") return res.state;
+  if (model) {
+    const e = model.engine;
+    if (!e) return model.state || "";
+    return "batch " + e.active + (e.waiting ? " +" + e.waiting + " waiting" : "") + " · " +
+      fmtRate(e.recent_decode_tokens_per_second || 0) + " tok/s";
+  }
+  return "";
+}
+
+// ------------------------------------------------------------------ the panels
+function paintHeader(stats) {
+  const graph = stats.graph || {};
+  $("graph-name").textContent = "graph " + graph.name + " v" + graph.version + " · up " +
+    Math.round(stats.uptime_seconds) + " s";
+  $("requests-total").textContent = stats.requests.total;
+  $("requests-active").textContent = stats.requests.active;
+  $("requests-failed").textContent = stats.requests.failed;
+  const engines = Object.values(stats.models || {}).map((m) => m.engine).filter((e) => e);
+  const sum = (f) => engines.reduce((acc, e) => acc + (f(e) || 0), 0);
+  $("decode-tps").textContent = fmtRate(sum((e) => e.recent_decode_tokens_per_second));
+  $("engine-batch").textContent = String(sum((e) => e.active));
+  const caches = Object.values(stats.resources || {}).filter((r) => r.type === "prefix_cache");
+  $("prefix-hit").textContent = caches.length ?
+    (100 * caches.reduce((a, c) => a + (c.hit_rate || 0), 0) / caches.length).toFixed(0) + "%" : "–";
+}
+
+function paintModels(stats) {
+  const rows = Object.values(stats.models || {}).map((m) => {
+    const tr = document.createElement("tr");
+    const e = m.engine || {};
+    const state = m.state === "loading" && m.loading_seconds !== undefined ?
+      "loading " + Math.round(m.loading_seconds) + " s" : m.state;
+    tr.append(cell(m.id + (m.pinned ? " (pinned)" : "")), cell(state), cell(m.kind),
+      cell(m.engine ? e.active + (e.waiting ? " +" + e.waiting : "") : null, "num"),
+      cell(m.engine ? fmtRate(e.recent_decode_tokens_per_second || 0) : null, "num"),
+      cell(m.context_length || m.max_input_tokens, "num"),
+      cell(m.idle_seconds === undefined ? null : Math.round(m.idle_seconds) + " s", "num"), cell(m.loads, "num"));
+    return tr;
+  });
+  fillRows($("models").tBodies[0], rows);
+  const pools = Object.entries(stats.resources || {}).filter(([, r]) => r.type === "model_pool");
+  $("pool").textContent = pools.map(([rid, p]) => rid + ": loaded " + (p.loaded.join(", ") || "none") +
+    " (" + fmtBytes(p.loaded_bytes) + ")" + (p.pinned.length ? " · pinned " + p.pinned.join(", ") : "") +
+    " · evictions " + p.evictions + " · idle unloads " + p.idle_unloads).join("\n");
+}
+
+// The page's own reads are left out of the list: they would crowd out the requests worth seeing.
+const OWN_ROUTES = new Set(["GET /", "GET " + CONFIG.graph_path, "GET " + CONFIG.library_path,
+  "GET " + CONFIG.downloads_path, "GET " + CONFIG.models_path]);
+
+function paintRecent(stats) {
+  const rows = (stats.recent_requests || []).filter((r) => !OWN_ROUTES.has(r.route)).map((r) => {
+    const tr = document.createElement("tr");
+    if (r.running) tr.className = "running";
+    else if (r.status >= 400) tr.className = "failed";
+    const tokens = r.completion_tokens === null ? (r.prompt_tokens === null ? null : r.prompt_tokens + " →")
+      : r.prompt_tokens + " → " + r.completion_tokens;
+    tr.append(cell(r.started), cell(r.route), cell(r.model), cell(tokens, "num"),
+      cell(r.running && r.status === null ? "…" : r.status),
+      cell(r.ttfb_ms === null ? null : r.ttfb_ms + " ms", "num"),
+      cell(r.duration_ms === null ? "running" : r.duration_ms + " ms", "num"));
+    return tr;
+  });
+  fillRows($("recent").tBodies[0], rows);
+}
+
+// ------------------------------------------------------------------ the library, downloads
+function badge(text, cls) {
+  const span = document.createElement("span");
+  span.className = "badge " + (cls || "");
+  span.textContent = text;
+  return span;
+}
+
+async function loadLibrary() {
+  const response = await call(CONFIG.library_path);
+  if (response.status === 404) { $("library-panel").hidden = true; return; }
+  if (!response.ok) return;
+  const body = await response.json();
+  $("library-note").textContent = "(" + body.data.length + " local models" + (body.offline ? " · hub offline" : "") + ")";
+  $("pull-button").disabled = !!body.offline;
+  $("pull-repo").disabled = !!body.offline;
+  fillRows($("library").tBodies[0], body.data.map((m) => {
+    const tr = document.createElement("tr");
+    const a = m.assessment;
+    const fit = document.createElement("td");
+    fit.append(a ? badge(a.fits ? "fits" : "does not fit", a.fits ? "ok" : "no") : badge(m.supported ? "–" : "unsupported"));
+    const serving = document.createElement("td");
+    if (m.serving) serving.append(badge("serving", "serving"));
+    tr.append(cell(m.repo_id), cell(m.kind + (m.vision ? " · vision" : "") + (m.audio ? " · audio" : "")),
+      cell(m.family), cell(fmtBytes(m.size_bytes), "num"), cell(m.quant_bits ? m.quant_bits + "-bit" : "–"), fit,
+      cell(a ? a.max_safe_context : null, "num"), cell(a ? fmtRate(a.predicted_decode_tps) : null, "num"), serving);
+    return tr;
+  }));
+}
+
+let downloadsActive = false;
+
+async function loadDownloads() {
+  const response = await call(CONFIG.downloads_path);
+  if (!response.ok) return;
+  const body = await response.json();
+  const wasActive = downloadsActive;
+  downloadsActive = body.data.some((d) => d.state === "queued" || d.state === "running");
+  fillRows($("downloads").tBodies[0], body.data.slice(0, 5).map((d) => {
+    const tr = document.createElement("tr");
+    const bar = document.createElement("progress");
+    bar.max = d.total_bytes || 1;
+    bar.value = d.received_bytes;
+    const progress = document.createElement("td");
+    progress.append(bar);
+    tr.append(cell(d.repo), cell(d.state), progress,
+      cell(fmtBytes(d.received_bytes) + " / " + fmtBytes(d.total_bytes), "num"),
+      cell(d.files_done + "/" + d.files_total + " files", "num"),
+      cell(d.state === "running" ? fmtBytes(d.bytes_per_sec) + "/s" : (d.error || ""), d.error ? "error" : ""));
+    return tr;
+  }));
+  if (wasActive && !downloadsActive) loadLibrary();  // a finished download is in the library now
+}
+
+$("pull-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  $("pull-error").textContent = "";
+  const response = await call(CONFIG.downloads_path, {method: "POST", headers: {"content-type": "application/json"},
+    body: JSON.stringify({repo: $("pull-repo").value.trim()})});
+  if (!response.ok) {
+    const body = await response.json().catch(() => ({}));
+    $("pull-error").textContent = (body.error && body.error.message) || ("HTTP " + response.status);
+    return;
+  }
+  $("pull-repo").value = "";
+  loadDownloads();
+});
+
+// ------------------------------------------------------------------ polling /stats
+let polls = 0;
+
+async function poll() {
+  const started = performance.now();
+  try {
+    const response = await call(CONFIG.stats_path);
+    if (!response.ok) throw new Error("/stats answered " + response.status);
+    const stats = await response.json();
+    const now = performance.now();
+    const seconds = previous ? (now - previous.at) / 1000 : 0;
+    paintHeader(stats);
+    paintGraph(stats, seconds);
+    paintModels(stats);
+    paintRecent(stats);
+    previous = Object.assign(stats, {at: now});
+    polls++;
+    if (downloadsActive || polls % 10 === 0) loadDownloads();
+    $("conn").textContent = "live";
+    $("conn").className = "conn ok";
+  } catch (err) {
+    $("conn").textContent = "offline: " + err.message;
+    $("conn").className = "conn bad";
+  }
+  const wait = Math.max(0, CONFIG.poll_seconds * 1000 - (performance.now() - started));
+  setTimeout(poll, wait);
+}
+
+// ------------------------------------------------------------------ the playground
+async function loadModels() {
+  const response = await call(CONFIG.models_path);
+  if (!response.ok) return;
+  const body = await response.json();
+  const select = $("chat-model");
+  const ids = (body.data || []).filter((m) => !m.kind || m.kind === "text" || m.kind === "vision").map((m) => m.id);
+  select.replaceChildren(...ids.map((id) => new Option(id, id)));
+}
+
+let running = null;
+
+async function sendChat() {
+  const text = $("chat-input").value.trim();
+  if (!text || running) return;
+  const output = $("chat-output");
+  output.textContent = "";
+  output.classList.remove("error");
+  $("chat-info").textContent = "";
+  running = new AbortController();
+  $("chat-send").disabled = true;
+  $("chat-stop").disabled = false;
+  const started = performance.now();
+  let first = null;
+  let chunks = 0;
+  try {
+    const response = await call(CONFIG.chat_path, {
+      method: "POST", signal: running.signal, headers: {"content-type": "application/json"},
+      body: JSON.stringify({model: $("chat-model").value || "default", stream: true,
+        max_tokens: Number($("chat-max").value) || 128, messages: [{role: "user", content: text}]}),
+    });
+    if (!response.ok) {
+      const body = await response.json().catch(() => ({}));
+      throw new Error((body.error && body.error.message) || ("HTTP " + response.status));
+    }
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data:")) continue;
+          const data = line.slice(5).trim();
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          for (const choice of chunk.choices || []) {
+            const delta = choice.delta || {};
+            const piece = (delta.reasoning_content || "") + (delta.content || "");
+            if (piece) {
+              if (first === null) first = performance.now();
+              chunks++;
+              output.textContent += piece;
+            }
+          }
+        }
+      }
+    }
+    const ttft = first === null ? "–" : Math.round(first - started) + " ms";
+    $("chat-info").textContent = chunks + " chunks · first token " + ttft + " · " +
+      Math.round(performance.now() - started) + " ms";
+  } catch (err) {
+    if (err.name !== "AbortError") {
+      output.classList.add("error");
+      output.textContent += (output.textContent ? "\n" : "") + "Error: " + err.message;
+    }
+  } finally {
+    running = null;
+    $("chat-send").disabled = false;
+    $("chat-stop").disabled = true;
+  }
+}
+
+$("chat-send").addEventListener("click", sendChat);
+$("chat-stop").addEventListener("click", () => { if (running) running.abort(); });
+$("chat-input").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) sendChat();
+});
+
+// ------------------------------------------------------------------ start
+(async () => {
+  await loadGraph();
+  poll();
+  loadModels();
+  loadLibrary();
+  loadDownloads();
+  setInterval(loadLibrary, 30000);  // the server rescans at most every 30 s
+})();
