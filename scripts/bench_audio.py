@@ -26,7 +26,6 @@ import argparse
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.audio_clips import encode_as, espeak, speech_like  # noqa: E402
-from tests.harness import free_port  # noqa: E402
+from tests.harness import serve_process  # noqa: E402
 
 PARAGRAPH = ("The river runs to the sea under a grey sky. A boat waits by the old stone bridge. In the market the "
              "traders call out their prices, and the smell of bread drifts across the square. Nobody is in a hurry "
@@ -79,28 +78,15 @@ def recording(seconds: float, seed: int = 0) -> np.ndarray:
     return spoken[: int(seconds * 16000)]
 
 
-def start_server(paths: dict[str, Path], data: Path, speech_tokens: int) -> tuple[subprocess.Popen[bytes], str]:
+def graph_file(paths: dict[str, Path], data: Path, speech_tokens: int) -> Path:
+    """The demo graph on the benchmark's models."""
     graph = data / "graph.toml"
     graph.write_text(f'extends = "{ROOT / "graphs" / "demo.toml"}"\n'
                      f'[resources.model]\npath = "{paths["chat"]}"\nfallbacks = []\n'
                      f'[resources.transcriber]\npath = "{paths["stt"]}"\nfallbacks = []\n'
                      f'[resources.speaker]\npath = "{paths["tts"]}"\nspeech_max_tokens = {speech_tokens}\n'
                      '[resources.prefix_cache]\ndisk = false\n')
-    port = free_port()
-    log = (data / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--port", str(port)],
-                            env={**os.environ, "FLOW_DATA_DIR": str(data)}, stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit(f"flow serve did not start; see {data / 'serve.log'}")
+    return graph
 
 
 def direct_stt(path: Path, samples: np.ndarray, rounds: int) -> list[float]:
@@ -204,9 +190,10 @@ def main() -> None:
     long_audio = encode_as(recording(args.long_seconds, seed=1), 16000, "flac")
     speech_pieces = sentences(PARAGRAPH)
     data = Path(tempfile.mkdtemp(prefix="flow-bench-audio-"))
-    proc, base = start_server(paths, data, args.speech_tokens)
+    command = [sys.executable, "-m", "flow.cli", "serve", str(graph_file(paths, data, args.speech_tokens))]
     results: dict[str, Any] = {}
-    try:
+    with serve_process(command, log=data / "serve.log", env={**os.environ, "FLOW_DATA_DIR": str(data)},
+                       seconds=300) as (proc, base):
         transcribe(base, encode_as(clip[:16000 * 5], 16000, "flac"))  # warm-up
         speech_timing(base, speech_pieces[0])
         direct_rounds: list[float] = []
@@ -236,19 +223,20 @@ def main() -> None:
         first_sentence = sentences(long_text)[0]
         _, first_alone, _ = min((speech_timing(base, first_sentence) for _ in range(3)), key=lambda t: t[1])
         ttfb, whole, _ = speech_timing(base, long_text)
-    finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     seconds, tts_seconds = len(clip) / 16000, tts_samples / tts_rate
     print(f"models: stt {args.stt}, tts {args.tts}, chat {args.chat}")
-    print(f"transcription of {seconds:.0f} s (median of {args.rounds} rounds): direct {stt_direct:.2f} s (RTF {stt_direct / seconds:.3f}), "
-          f"server {stt_server:.2f} s (RTF {stt_server / seconds:.3f}) -> direct/server {stt_direct / stt_server:.2f}")
+    print(f"transcription of {seconds:.0f} s (median of {args.rounds} rounds): direct {stt_direct:.2f} s "
+          f"(RTF {stt_direct / seconds:.3f}), server {stt_server:.2f} s (RTF {stt_server / seconds:.3f}) "
+          f"-> direct/server {stt_direct / stt_server:.2f}")
     print(f"synthesis of {len(speech_pieces)} sentences ({tts_seconds:.1f} s of audio): direct {tts_direct:.2f} s "
           f"(RTF {tts_direct / tts_seconds:.3f}), server {tts_server:.2f} s (RTF {tts_server / tts_seconds:.3f}) "
           f"-> direct/server {tts_direct / tts_server:.2f}")
-    print(f"chat stream alone: {statistics.median(alone):.1f} tok/s; during a {args.long_seconds:.0f} s transcription "
-          f"({results.get('long_seconds', 0):.1f} s): {statistics.median(during) if during else 0:.1f} tok/s "
-          f"({len(during)} streams) -> ratio {(statistics.median(during) if during else 0) / statistics.median(alone):.2f}")
+    during_rate = statistics.median(during) if during else 0.0
+    print(f"chat stream alone: {statistics.median(alone):.1f} tok/s; during a {args.long_seconds:.0f} s "
+          f"transcription ({results.get('long_seconds', 0):.1f} s): {during_rate:.1f} tok/s ({len(during)} streams) "
+          f"-> ratio {during_rate / statistics.median(alone):.2f}")
     print(f"speech of {args.words} words: first audio byte after {ttfb:.2f} s (whole {whole:.2f} s); its first "
           f"sentence alone takes {first_alone:.2f} s -> ratio {ttfb / first_alone:.2f}")
 
