@@ -39,7 +39,7 @@ import random
 import shutil
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, get_args
 
