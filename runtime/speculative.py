@@ -106,10 +106,12 @@ def worth_verifying(drafts: list[list[int]], states: list[DraftState], cost: Pas
     padded to the widest draft, so the width is chosen for the batch: the one with the most expected tokens
     per second, from each row's acceptance so far and the measured cost of a pass by the tokens it holds —
     on a CPU a pass costs about its tokens, so a wide window for one drafting row among several rarely pays.
-    Without a cost (a GPU, where passes this small cost the same) or before enough passes, the widest."""
+    Without a cost (a GPU, where passes this small cost the same), or while the passes measured are all of one
+    size (nothing tells what more tokens cost: the fit's memory of wider passes fades, so this also re-probes
+    now and then), the widest."""
     widest = max((len(d) for d in drafts), default=0)
-    if widest == 0 or cost is None or cost.passes < 3:
-        return widest
+    if widest == 0 or cost is None or not cost.fitted:
+        return widest  # no evidence yet of what a wider pass costs: try it (and so measure it)
     overhead, per_token = cost.fit()
     rows = len(drafts)
     best_width, best = 0, rows / (overhead + per_token * rows)
