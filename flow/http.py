@@ -4,7 +4,7 @@ The graph's routes are not Quart rules: they change with a reload. One
 catch-all view matches each request against the current generation's routing
 table (``{param}`` segments; 404, or 405 with the methods the path has) and
 hands it to :meth:`FlowServer.respond`. The shell owns only ``/health``,
-``/stats``, ``/metrics`` and ``POST /admin/reload`` (and answers ``GET /`` with a
+``/stats`` (and its feed ``/stats/events``), ``/metrics`` and ``POST /admin/reload`` (and answers ``GET /`` with a
 short JSON when the graph has no console page there); every error it writes
 itself (unknown route, wrong method, body too large or too slow, refused host
 or key) takes the protocol shape of the path's route, or the graph's
@@ -28,6 +28,8 @@ from werkzeug.exceptions import HTTPException
 
 from flow.live import NoRoute
 from flow.server import FlowServer
+from flow.stats_feed import parse_interval
+from flow.stats_feed import stats_events as stats_feed
 from flow.websocket import WS_METHOD, ResponsesSocket
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest
@@ -170,6 +172,19 @@ def create_app(server: FlowServer) -> QuartTrio:
     @app.route("/stats", methods=["GET"])
     async def stats() -> Response:
         return _json(server.observer.stats_json())
+
+    @app.route("/stats/events", methods=["GET"])
+    async def stats_events() -> Response:
+        """The /stats figures as server-sent events: a whole reading, then what changed (flow.stats_feed)."""
+        try:
+            interval = parse_interval(request.args.to_dict())
+        except ApiError as error:
+            return server.error_response(request.path, error)
+        feed = stats_feed(server.observer.stats_json, interval, server.draining)
+        response = Response(feed, content_type="text/event-stream",
+                            headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+        response.timeout = None
+        return response
 
     @app.route("/admin/reload", methods=["POST"])
     async def reload() -> Response:

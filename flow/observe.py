@@ -34,6 +34,15 @@ class RecentRequest:
     duration_ms: float | None = None  # set when the run ends
     notes: dict[str, Any] = field(default_factory=dict)  # what its stages noted: model, prompt/completion tokens
 
+    def first_byte(self, status: int, ms: float) -> None:
+        self.status, self.ttfb_ms = status, ms
+        if self.duration_ms is not None:  # a whole answer: its run ended before the shell took the answer
+            self.duration_ms = max(self.duration_ms, ms)
+
+    def finished(self, ms: float) -> None:
+        """The run ended, ``ms`` after the request began; a request is not over before its answer left."""
+        self.duration_ms = ms if self.ttfb_ms is None else max(ms, self.ttfb_ms)
+
     def json(self) -> dict[str, Any]:
         return {"id": self.id, "route": self.route,
                 "started": time.strftime("%H:%M:%S", time.localtime(self.started)),
@@ -56,9 +65,12 @@ class Observer:
         self.metrics.collector(self._collect)
         self.recent: deque[RecentRequest] = deque(maxlen=RECENT_REQUESTS)
 
-    def request_started(self, request_id: str, route: str) -> RecentRequest:
+    def request_started(self, request_id: str, route: str, *, listed: bool = True) -> RecentRequest:
+        """The record of a request that began; ``listed``: shown in the recent requests (see
+        ``EntryStage.monitoring_methods``)."""
         record = RecentRequest(request_id, route, time.time())
-        self.recent.append(record)
+        if listed:
+            self.recent.append(record)
         return record
 
     def _graph(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from flow.live import Generation, LiveGraph, ReloadRefused, ReloadReport
 from flow.observe import Observer, RecentRequest
 from flow.resources import ModelResource
 from flow.runner import RouteRunner
-from flow.stage import ExitStage, Outbox, request_notes
+from flow.stage import EntryStage, ExitStage, Outbox, request_notes
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
@@ -220,7 +220,7 @@ class FlowServer:
             self.observer.duration.observe(time.perf_counter() - started,
                                            route=f"{runner.route.method} {runner.route.path}")
             if record is not None:
-                record.duration_ms = round((time.perf_counter() - started) * 1000, 1)
+                record.finished(round((time.perf_counter() - started) * 1000, 1))
 
     @staticmethod
     async def _send_all(send: trio.MemorySendChannel[WireFrame], frames: list[WireFrame]) -> None:
@@ -256,7 +256,9 @@ class FlowServer:
             runs.append(scope)  # cancelled when the request ends, even if its body never began
         route = f"{runner.route.method} {runner.route.path}"
         started = time.perf_counter()
-        record = self.observer.request_started(http.request_id, route)
+        entry = gen.stages[runner.route.entry]
+        listed = not (isinstance(entry, EntryStage) and http.method in entry.monitoring_methods)
+        record = self.observer.request_started(http.request_id, route, listed=listed)
         nursery.start_soon(self.run_request, gen, runner, http, send, scope, record)
         try:
             first = await receive.receive()
@@ -265,7 +267,7 @@ class FlowServer:
             raise
         self.observer.first_byte.observe(time.perf_counter() - started, route=route)
         self.observer.requests.inc(route=route, status=str(first.status))
-        record.status, record.ttfb_ms = first.status, round((time.perf_counter() - started) * 1000, 1)
+        record.first_byte(first.status, round((time.perf_counter() - started) * 1000, 1))
         if not first.streaming:
             receive.close()
             return Response(first.data, status=first.status, headers=Headers(list(first.headers)))

@@ -172,10 +172,14 @@ class EntryStage(Stage[In, Out]):
     ``context_type``: what it hands its exit stage inside the request (see :class:`ProtocolContext`).
     ``public``: its routes answer without the API key (a page that holds no server data, like the console's
     shell: a browser opening it cannot send a key, so the page asks for one).
-    ``body_types``: the content types its routes take (JSON; file uploads add ``multipart/form-data``)."""
+    ``body_types``: the content types its routes take (JSON; file uploads add ``multipart/form-data``).
+    ``monitoring_methods``: methods whose requests only read the server's own state (the console's page, the
+    library, the downloads list): counted and timed like any, but left out of ``/stats``' recent requests, which
+    a console open for minutes would otherwise fill with its own reads."""
 
     context_type: ClassVar[type[ProtocolContext]] = ProtocolContext
     public: ClassVar[bool] = False
+    monitoring_methods: ClassVar[frozenset[str]] = frozenset()
     body_types: ClassVar[frozenset[str]] = frozenset({"application/json"})
 
 

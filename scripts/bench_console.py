@@ -14,8 +14,8 @@ CPU time is what the page costs whatever else runs. Rounds alternate the conditi
 medians are reported:
 
 * ``closed``: nobody watches;
-* ``polling``: a client reads ``/stats`` and ``/downloads`` once a second, as the page does (the server's
-  side of the console's cost, without a browser);
+* ``feed``: a client follows ``/stats/events`` (one reading a second), as the page does (the server's side
+  of the console's cost, without a browser);
 * ``page``: the console open in headless Chromium (the system's, through Playwright), drawing and
   updating live; the browser runs on the same machine, as it does for a local user;
 * ``baseline_page`` (with ``--baseline-page FILE``): the same, with another version of the page (the HTML
@@ -48,7 +48,7 @@ from tests.browser import chromium_path, headless_chromium  # noqa: E402
 from tests.harness import serve_process  # noqa: E402
 from viz.console import PAGE_HEADERS  # noqa: E402
 
-CONDITIONS = ("closed", "polling", "page", "baseline_page")
+CONDITIONS = ("closed", "feed", "page", "baseline_page")
 TICK = os.sysconf("SC_CLK_TCK")
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -110,14 +110,16 @@ def browser_cpu_seconds() -> float:
 
 
 @contextmanager
-def poller(base: str, seconds: float = 1.0) -> Iterator[None]:
+def follower(base: str, seconds: float = 1.0) -> Iterator[None]:
+    """A client following the figures' feed, as the console does, for the block's duration."""
     stop = threading.Event()
 
     def run() -> None:
-        with httpx.Client(base_url=base, timeout=30) as client:
-            while not stop.wait(seconds):
-                client.get("/stats")
-                client.get("/downloads")
+        with httpx.Client(base_url=base, timeout=30) as client, \
+                client.stream("GET", f"/stats/events?interval={seconds:g}") as feed:
+            for _ in feed.iter_raw():
+                if stop.is_set():
+                    return
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -168,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(2)
                 cpu_before, wall_before = browser_cpu_seconds(), time.perf_counter()
                 try:
-                    if condition == "polling":
-                        with poller(base):
+                    if condition == "feed":
+                        with follower(base):
                             tps, tokens = trio.run(load_round, base, args.streams, args.max_tokens)
                     else:
                         tps, tokens = trio.run(load_round, base, args.streams, args.max_tokens)
@@ -203,7 +205,7 @@ def paired(a: list[float], b: list[float]) -> float:
     return round(statistics.median(x / y for x, y in zip(a, b) if y > 0), 3)
 
 
-LABELS = {"closed": "console closed", "polling": "/stats polled 1/s", "page": "console open",
+LABELS = {"closed": "console closed", "feed": "/stats/events followed", "page": "console open",
           "baseline_page": "baseline page open"}
 
 

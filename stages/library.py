@@ -93,6 +93,7 @@ class _ServedModelsEndpoint(EndpointStage):
 
 class LibraryList(_ServedModelsEndpoint):
     type_name: ClassVar[str] = "library.list"
+    monitoring_methods: ClassVar[frozenset[str]] = frozenset({"GET"})
     description = "every local model with kind, family, size, quantization, served now, and its fit (cached)"
     Config = LibraryConfig
     references = {**MODEL_REFERENCES, "downloads": Reference("downloads", required=False)}
@@ -124,6 +125,7 @@ class FitConfig(StageConfig):
 
 class FitCheck(_ServedModelsEndpoint):
     type_name: ClassVar[str] = "fit.check"
+    monitoring_methods: ClassVar[frozenset[str]] = frozenset({"GET"})
     description = "weights, KV per token, usable memory, max safe context, predicted and measured decode tok/s"
     Config = FitConfig
 
@@ -172,6 +174,7 @@ class DownloadsStageConfig(StageConfig):
 
 class DownloadsManage(EndpointStage):
     type_name: ClassVar[str] = "downloads.manage"
+    monitoring_methods: ClassVar[frozenset[str]] = frozenset({"GET"})
     description = "GET: recent downloads with progress; POST {\"repo\": \"owner/name\", \"revision\"}: queue one"
     Config = DownloadsStageConfig
     references = {"downloads": Reference("downloads")}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import socket
 import subprocess
 import time
@@ -22,8 +24,8 @@ WEATHER_TOOLS: list[Any] = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 """One OpenAI function tool, as the tool-call tests declare it."""
 
-__all__ = ["GRAPHS", "RunningServer", "free_port", "graph_with_key", "graph_with_model", "openai_error",
-           "running_server", "serve_process", "tables_with_model", "tables_with_prefix_cache"]
+__all__ = ["GRAPHS", "RunningServer", "feed_events", "free_port", "graph_with_key", "graph_with_model", "merged",
+           "openai_error", "running_server", "serve_process", "tables_with_model", "tables_with_prefix_cache"]
 
 
 def tables_with_model(model_path: Path | str, *, graph: str = "default.toml", name: str = "tiny",
@@ -61,6 +63,27 @@ def openai_error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
     error = response.json()["error"]
     assert isinstance(error, dict) and error["message"] and "Traceback" not in error["message"]
     return error
+
+
+def merged(reading: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    """``reading`` with a ``/stats/events`` change merged in, as the console's script does (``merge`` in
+    viz/static/console.js): objects key by key, anything else replaced."""
+    out = copy.deepcopy(reading)
+    for key, value in change.items():
+        old = out.get(key)
+        out[key] = merged(old, value) if isinstance(value, dict) and isinstance(old, dict) else copy.deepcopy(value)
+    return out
+
+
+def feed_events(response: httpx.Response) -> Iterator[tuple[str, Any]]:
+    """The ``(event, data)`` pairs of a server-sent events response (one ``data:`` line each)."""
+    name = "message"
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[6:])
+            name = "message"
 
 
 def free_port() -> int:

@@ -7,11 +7,11 @@ Two stage types, both entry-and-exit in one (they answer by themselves):
   The page holds no server data, so it is public (``EntryStage.public``): a
   browser cannot send an API key when it opens a URL. The page's script asks
   for the key when the server wants one, keeps it in ``sessionStorage`` and
-  sends it on every call it makes: the drawing, ``/stats``, the playground's
+  sends it on every call it makes: the drawing, ``/stats/events``, the playground's
   ``/v1/chat/completions``.
 * ``console.graph`` (``GET /console/graph.svg``): the live graph drawn by
   :func:`viz.svg.render_svg` — the drawing ``flow viz --format svg|html`` writes —
-  with the ids the page's script fills with ``/stats`` figures. Key-guarded like
+  with the ids the page's script fills with the ``/stats`` figures. Key-guarded like
   every route.
 """
 
@@ -51,16 +51,18 @@ def _static(name: str) -> str:
 
 class ConsolePageConfig(StageConfig):
     graph_path: str = Field(default="/console/graph.svg", description="where the console.graph stage answers")
-    stats_path: str = Field(default="/stats", description="the server's /stats (the live figures)")
+    stats_feed_path: str = Field(default="/stats/events",
+                                 description="the server's live figures: /stats as server-sent events")
     chat_path: str = Field(default="/v1/chat/completions", description="the playground's chat route (OpenAI)")
     models_path: str = Field(default="/v1/models", description="the model list the playground offers")
     library_path: str = Field(default="/library", description="the model library with fit (panel hidden if absent)")
     downloads_path: str = Field(default="/downloads", description="downloads: the library's pull button")
-    poll_seconds: float = Field(default=1.0, ge=0.2, le=60, description="how often the page reads /stats")
+    update_seconds: float = Field(default=1.0, ge=0.2, le=60, description="how often the server sends the figures")
 
 
 class ConsolePage(EndpointStage):
     type_name: ClassVar[str] = "console.page"
+    monitoring_methods: ClassVar[frozenset[str]] = frozenset({"GET", "HEAD"})
     description = "the console: a page drawing the live graph, the model pool, recent requests and a playground"
     Config = ConsolePageConfig
     codec = openai_chat.ChatCodec
@@ -84,6 +86,7 @@ class ConsolePage(EndpointStage):
 
 class ConsoleGraph(EndpointStage):
     type_name: ClassVar[str] = "console.graph"
+    monitoring_methods: ClassVar[frozenset[str]] = frozenset({"GET", "HEAD"})
     description = "the graph this stage belongs to, drawn as SVG (what flow viz --format svg writes)"
     codec = openai_chat.ChatCodec
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 
 from flow import cli
 from flow.compiler import compile_file, compile_tables
-from tests.harness import GRAPHS, RunningServer, graph_with_key, running_server, tables_with_model
+from tests.harness import (GRAPHS, RunningServer, feed_events, graph_with_key, graph_with_model, merged, openai_error,
+                           running_server, tables_with_model)
 from viz.svg import render_svg
 
 
@@ -29,7 +31,7 @@ def test_the_page_is_one_self_contained_document(qwen3_server: RunningServer) ->
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp and "frame-ancestors 'none'" in csp
     # Nothing is loaded from elsewhere: no external script, style sheet, image or font.
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page.text)
-    assert "/*CONSOLE_JS*/" not in page.text and "function poll()" in page.text and ".flow-graph" in page.text
+    assert "/*CONSOLE_JS*/" not in page.text and "function openFeed()" in page.text and ".flow-graph" in page.text
     assert httpx.head(qwen3_server.base_url + "/", timeout=10).status_code == 200  # connectivity checks
 
 
@@ -66,14 +68,76 @@ def test_stats_carry_what_the_page_draws(qwen3_server: RunningServer) -> None:
     assert done["model"] == "tiny" and done["prompt_tokens"] > 0 and 1 <= done["completion_tokens"] <= 3
 
 
+def test_the_stats_feed_is_a_reading_then_what_changed(qwen3_server: RunningServer) -> None:
+    base = qwen3_server.base_url
+    with httpx.stream("GET", base + "/stats/events?interval=0.2", timeout=60) as feed:
+        assert feed.status_code == 200 and feed.headers["content-type"].startswith("text/event-stream")
+        assert feed.headers["cache-control"] == "no-store"
+        events = feed_events(feed)
+        name, reading = next(events)
+        assert name == "stats" and set(reading) == set(httpx.get(base + "/stats").json())
+        runs = reading["stages"]["prepare"]["runs"]
+        chat = httpx.post(qwen3_server.url + "/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert chat.status_code == 200
+        after = httpx.get(base + "/stats").json()  # nothing else runs now: the feed must come to this
+        kinds = set()
+        for name, data in events:
+            kinds.add(name)
+            reading = data if name == "stats" else merged(reading, data)
+            if reading["stages"] == after["stages"] and reading["edges"] == after["edges"]:
+                break
+        assert kinds == {"change"} and reading["stages"]["prepare"]["runs"] == runs + 1
+        assert reading["requests"] == after["requests"] and reading["models"]["tiny"]["state"] == "ready"
+        assert reading["recent_requests"][0]["route"] == "POST /v1/chat/completions"
+
+
+def test_a_bad_feed_interval_is_a_400_naming_the_range(qwen3_server: RunningServer) -> None:
+    for interval in ("0", "fast", "100"):
+        error = openai_error(httpx.get(qwen3_server.base_url + f"/stats/events?interval={interval}", timeout=10))
+        assert error["param"] == "interval" and "from 0.2 to 60" in error["message"]
+
+
+def test_the_feed_ends_when_the_server_stops(tiny_qwen3: Path) -> None:
+    ended: list[str] = []
+
+    def follow(base: str, opened: threading.Event) -> None:
+        with httpx.stream("GET", base + "/stats/events?interval=0.5", timeout=60) as feed:
+            opened.set()
+            ended.extend(name for name, _ in feed_events(feed))  # until the server ends the body
+        ended.append("end")
+
+    opened = threading.Event()
+    with running_server(graph_with_model(tiny_qwen3, name="feed")) as running:
+        reader = threading.Thread(target=follow, args=(running.base_url, opened), daemon=True)
+        reader.start()
+        assert opened.wait(30)
+    reader.join(30)  # the server's stop (above) waits for its connections: a feed left open would hold it
+    assert not reader.is_alive() and ended[0] == "stats" and ended[-1] == "end"
+
+
+def test_the_consoles_own_reads_stay_out_of_the_recent_requests(qwen3_server: RunningServer) -> None:
+    base = qwen3_server.base_url
+    for path in ("/", "/console/graph.svg", "/library", "/downloads", "/fit?model=tiny"):
+        assert httpx.get(base + path, timeout=60).status_code == 200, path
+    assert httpx.post(qwen3_server.url + "/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+    stats = httpx.get(base + "/stats").json()
+    routes = [r["route"] for r in stats["recent_requests"]]
+    assert routes[0] == "POST /v1/chat/completions"
+    assert not {"GET /", "GET /console/graph.svg", "GET /library", "GET /downloads", "GET /fit"} & set(routes)
+    assert stats["requests"]["total"] >= 6  # counted all the same
+
+
 def test_with_a_key_the_page_opens_and_everything_it_reads_needs_the_key(keyed: RunningServer) -> None:
     page = httpx.get(keyed.base_url + "/", timeout=10)
     assert page.status_code == 200 and "key-dialog" in page.text
     assert "s3cret" not in page.text and "tiny" not in page.text  # the page holds no server data
-    for path in ("/console/graph.svg", "/stats"):
+    for path in ("/console/graph.svg", "/stats", "/stats/events?interval=60"):
         refused = httpx.get(keyed.base_url + path, timeout=10)
         assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
-        assert httpx.get(keyed.base_url + path, headers={"authorization": "Bearer s3cret"}).status_code == 200
+        with httpx.stream("GET", keyed.base_url + path, headers={"authorization": "Bearer s3cret"}) as allowed:
+            assert allowed.status_code == 200
     # Public is the page's route only, with its method: nothing else on it, no other path under it.
     assert httpx.post(keyed.base_url + "/", json={}).status_code == 401
     assert httpx.get(keyed.base_url + "/v1/nope").status_code == 401

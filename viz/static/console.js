@@ -1,10 +1,11 @@
-// The console's script (viz/console.py inlines it): reads /stats on a timer and paints the drawing's live
+// The console's script (viz/console.py inlines it): follows the server's live figures (/stats as server-sent
+// events: a whole reading, then only what changed, on one long request) and paints the drawing's live
 // figures, fills the panels, and runs the playground's chat through the OpenAI route. No library, no build.
 //
 // The page stays open beside a server decoding on the same machine, so each update touches only what
 // changed: texts, classes and attributes are compared before they are written (an equal write still
 // invalidates style, layout and paint), table rows are kept and their cells rewritten in place rather than
-// rebuilt, painting waits for the next animation frame, and a hidden tab reads nothing.
+// rebuilt, painting waits for the next animation frame, and a hidden tab closes the feed.
 "use strict";
 
 const CONFIG = JSON.parse(document.getElementById("console-config").textContent);
@@ -132,27 +133,35 @@ function liveText(part, text) {
   if (part.live) setText(part.live, text);
 }
 
-// Edge rates are computed here from the counters' change between two readings.
+// Edge rates are computed here from the counters' change between two paints: the last painted reading's
+// counters (edge items, stage errors) and when it was painted.
 let previous = null;
+
+function countersOf(stats, at) {
+  const items = {}, errors = {};
+  for (const [id, edge] of Object.entries(stats.edges || {})) items[id] = edge.items;
+  for (const [id, stage] of Object.entries(stats.stages || {})) errors[id] = stage.errors;
+  return {items: items, errors: errors, at: at};
+}
 
 function paintGraph(stats, seconds) {
   for (const part of drawing.stages) {
     const group = part.group;
     const st = (stats.stages || {})[part.id];
     if (!st) { liveText(part, ""); continue; }
-    const before = previous && previous.stages ? previous.stages[part.id] : null;
+    const errorsBefore = previous ? previous.errors[part.id] : undefined;
     const parts = ["active " + st.active, "runs " + st.runs];
     if (st.errors) parts.push("errors " + st.errors);
     if (st.queued) parts.push("queued " + st.queued);
     liveText(part, parts.join(" · "));
     group.classList.toggle("busy", st.active > 0);
-    group.classList.toggle("failing", !!before && st.errors > before.errors);
+    group.classList.toggle("failing", errorsBefore !== undefined && st.errors > errorsBefore);
   }
   for (const part of drawing.edges) {
     const edge = (stats.edges || {})[part.id];
     if (!edge || !edge.items) { liveText(part, ""); continue; }  // never used yet: keep the drawing quiet
-    const before = previous && previous.edges ? previous.edges[part.id] : null;
-    const rate = before && seconds > 0 ? Math.max(0, edge.items - before.items) / seconds : 0;
+    const before = previous ? previous.items[part.id] : undefined;
+    const rate = before !== undefined && seconds > 0 ? Math.max(0, edge.items - before) / seconds : 0;
     const parts = [fmtRate(rate) + " items/s"];
     if (edge.queued) parts.push("q " + edge.queued);
     liveText(part, parts.join(" · "));
@@ -256,6 +265,17 @@ async function loadLibrary() {
 }
 
 let downloadsActive = false;
+let downloadsLoading = false;
+
+// The downloads resource's counts come with every reading: while one is queued or running, its progress is
+// read once per reading; when the last one ends, once more (and the library, which now has the model).
+function followDownloads(stats) {
+  const active = Object.values(stats.resources || {}).some((r) => r.type === "downloads" && r.queued + r.running);
+  if ((active || downloadsActive) && !downloadsLoading) {
+    downloadsLoading = true;
+    loadDownloads().finally(() => { downloadsLoading = false; });
+  }
+}
 
 async function loadDownloads() {
   const response = await call(CONFIG.downloads_path);
@@ -285,50 +305,103 @@ $("pull-form").addEventListener("submit", async (event) => {
   loadDownloads();
 });
 
-// ------------------------------------------------------------------ polling /stats
-let polls = 0;
-let pollTimer = null;  // the next poll, when one is due
-let polling = false;   // a poll is under way
-
-// The next frame, or at once when none will come (a hidden tab has no frames; it also polls no more).
-function nextFrame() {
-  return new Promise((resolve) => document.hidden ? resolve() : requestAnimationFrame(() => resolve()));
+// ------------------------------------------------------------------ server-sent events
+// Calls onEvent(name, data) for each event of an SSE response's body (its data lines joined), until the body
+// ends; what onEvent throws ends the reading. The feed and the playground's chat both read through it.
+async function readEvents(response, onEvent) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) name = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(line.startsWith("data: ") ? 6 : 5));
+      }
+      if (data.length) onEvent(name, data.join("\n"));
+    }
+  }
 }
 
-async function poll() {
-  pollTimer = null;
-  if (document.hidden) return;  // nobody looks: read nothing until the tab is shown again
-  polling = true;
-  const started = performance.now();
+// ------------------------------------------------------------------ the live figures (/stats/events)
+// "stats" events carry a whole reading; "change" events what changed since, merged in: objects key by key,
+// anything else replaced. The server's uptime changes with every reading, so an event comes every interval
+// and the rates drawn fall back to zero when the traffic stops.
+let stats = null;
+let feed = null;           // the open feed's AbortController
+let paintPending = false;  // a paint is waiting for the next animation frame
+let events = 0;
+
+function merge(target, change) {
+  for (const [key, value] of Object.entries(change)) {
+    const old = target[key];
+    const objects = (x) => x !== null && typeof x === "object" && !Array.isArray(x);
+    if (objects(value) && objects(old)) merge(old, value);
+    else target[key] = value;
+  }
+}
+
+// All of what arrived before the next frame is painted in that frame: one style, layout and paint pass.
+function schedulePaint() {
+  if (paintPending) return;
+  paintPending = true;
+  requestAnimationFrame(paint);
+}
+
+function paint() {
+  paintPending = false;
+  const now = performance.now();
+  const seconds = previous ? (now - previous.at) / 1000 : 0;
+  paintHeader(stats);
+  paintGraph(stats, seconds);
+  paintModels(stats);
+  paintRecent(stats);
+  followDownloads(stats);
+  previous = countersOf(stats, now);
+  setText($("conn"), "live");
+  setClass($("conn"), "conn ok");
+}
+
+async function openFeed() {
+  if (feed !== null || document.hidden) return;
+  const controller = feed = new AbortController();
   try {
-    const response = await call(CONFIG.stats_path);
-    if (!response.ok) throw new Error("/stats answered " + response.status);
-    const stats = await response.json();
-    await nextFrame();  // all of one reading's writes land in one frame: one style, layout and paint pass
-    const now = performance.now();
-    const seconds = previous ? (now - previous.at) / 1000 : 0;
-    paintHeader(stats);
-    paintGraph(stats, seconds);
-    paintModels(stats);
-    paintRecent(stats);
-    previous = Object.assign(stats, {at: now});
-    polls++;
-    if (downloadsActive || polls % 10 === 0) loadDownloads();
-    setText($("conn"), "live");
-    setClass($("conn"), "conn ok");
+    const response = await call(CONFIG.stats_feed_path + "?interval=" + CONFIG.update_seconds,
+      {signal: controller.signal});
+    if (!response.ok) throw new Error(CONFIG.stats_feed_path + " answered " + response.status);
+    await readEvents(response, (name, data) => {
+      if (name === "stats") stats = JSON.parse(data);
+      else if (name === "change" && stats !== null) merge(stats, JSON.parse(data));
+      else return;
+      events++;
+      schedulePaint();
+    });
+    throw new Error("the server closed the feed");
   } catch (err) {
+    if (controller.signal.aborted) return;  // closed on purpose: the tab is hidden
     setText($("conn"), "offline: " + err.message);
     setClass($("conn"), "conn bad");
+  } finally {
+    if (feed === controller) feed = null;
   }
-  polling = false;
-  const wait = Math.max(0, CONFIG.poll_seconds * 1000 - (performance.now() - started));
-  pollTimer = setTimeout(poll, wait);
+  setTimeout(openFeed, 2000);  // the server restarts, or comes back: follow it again
 }
 
 document.addEventListener("visibilitychange", () => {
-  if (document.hidden || pollTimer !== null || polling) return;
+  if (document.hidden) {  // nobody looks: the server sends nothing, the page paints nothing
+    if (feed !== null) feed.abort();
+    feed = null;
+    return;
+  }
   previous = null;  // rates over the hidden time would be averages, not what happens now
-  pollTimer = setTimeout(poll, 0);
+  openFeed();
 });
 
 // ------------------------------------------------------------------ the playground
@@ -366,35 +439,20 @@ async function sendChat() {
       const body = await response.json().catch(() => ({}));
       throw new Error((body.error && body.error.message) || ("HTTP " + response.status));
     }
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const event = buffer.slice(0, end);
-        buffer = buffer.slice(end + 2);
-        for (const line of event.split("\n")) {
-          if (!line.startsWith("data:")) continue;
-          const data = line.slice(5).trim();
-          if (data === "[DONE]") continue;
-          const chunk = JSON.parse(data);
-          if (chunk.error) throw new Error(chunk.error.message);
-          for (const choice of chunk.choices || []) {
-            const delta = choice.delta || {};
-            const piece = (delta.reasoning_content || "") + (delta.content || "");
-            if (piece) {
-              if (first === null) first = performance.now();
-              chunks++;
-              output.textContent += piece;
-            }
-          }
+    await readEvents(response, (name, data) => {
+      if (data === "[DONE]") return;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      for (const choice of chunk.choices || []) {
+        const delta = choice.delta || {};
+        const piece = (delta.reasoning_content || "") + (delta.content || "");
+        if (piece) {
+          if (first === null) first = performance.now();
+          chunks++;
+          output.textContent += piece;
         }
       }
-    }
+    });
     const ttft = first === null ? "–" : Math.round(first - started) + " ms";
     $("chat-info").textContent = chunks + " chunks · first token " + ttft + " · " +
       Math.round(performance.now() - started) + " ms";
@@ -419,7 +477,7 @@ $("chat-input").addEventListener("keydown", (event) => {
 // ------------------------------------------------------------------ start
 (async () => {
   await loadGraph();
-  poll();
+  openFeed();
   loadModels();
   loadLibrary();
   loadDownloads();
