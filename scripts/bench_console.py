@@ -18,6 +18,8 @@ medians are reported:
   of the console's cost, without a browser);
 * ``page``: the console open in headless Chromium (the system's, through Playwright), drawing and
   updating live; the browser runs on the same machine, as it does for a local user;
+* ``page_at`` (with ``--page-update-seconds S``): the same page, its figures sent every ``S`` seconds instead
+  of the graph's ``update_seconds``;
 * ``baseline_page`` (with ``--baseline-page FILE``): the same, with another version of the page (the HTML
   ``GET /`` answered then, saved to a file) shown in its place, to compare two versions side by side.
 """
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ from tests.browser import chromium_path, headless_chromium  # noqa: E402
 from tests.harness import serve_process  # noqa: E402
 from viz.console import PAGE_HEADERS  # noqa: E402
 
-CONDITIONS = ("closed", "feed", "page", "baseline_page")
+CONDITIONS = ("closed", "feed", "page", "page_at", "baseline_page")
 TICK = os.sysconf("SC_CLK_TCK")
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
 
@@ -137,30 +139,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the full result here")
+    parser.add_argument("--page-update-seconds", type=float,
+                        help="also measure the page with its figures sent this often (condition page_at)")
     parser.add_argument("--baseline-page", type=Path,
                         help="a console page (HTML) to measure in place of the server's, as a fourth condition")
     args = parser.parse_args(argv)
     baseline = args.baseline_page.read_bytes() if args.baseline_page else None
-    conditions = CONDITIONS if baseline is not None else CONDITIONS[:3]
+    conditions = [c for c in CONDITIONS if (c != "baseline_page" or baseline is not None)
+                  and (c != "page_at" or args.page_update_seconds is not None)]
     chromium = chromium_path()
     if chromium is None:
         print("bench_console: needs a system Chromium (apt-get install chromium)", file=sys.stderr)
         return 2
     detail: dict[str, list[float]] = {c: [] for c in conditions}
-    browser_cpu: dict[str, list[float]] = {c: [] for c in conditions if c.endswith("page")}
+    browser_cpu: dict[str, list[float]] = {c: [] for c in conditions if c != "closed" and c != "feed"}
     load_before = os.getloadavg()  # the machine is shared: the figures are read against its load
     log = Path(tempfile.mkdtemp(prefix="bench-console-")) / "serve.log"
     command = [sys.executable, "-m", "flow.cli", "serve", "default", "--model", args.model]
     with serve_process(command, log=log, cwd=ROOT, seconds=600) as (_, base), headless_chromium(chromium) as browser:
         trio.run(load_round, base, args.streams, 8)  # warm-up: kernels compiled, weights touched
+        served = httpx.get(base + "/", timeout=30).text
+        intervals = {"page": float(served[slice(*page_interval(served))]), "page_at": args.page_update_seconds}
         for i in range(args.rounds):
             for condition in conditions:
                 page = None
-                if condition in ("page", "baseline_page"):
+                if condition.endswith("page") or condition == "page_at":
                     page = browser.new_page(viewport={"width": 1500, "height": 1000})
-                    if condition == "baseline_page":
-                        page.route(base + "/", lambda route: route.fulfill(
-                            status=200, body=baseline, headers=dict(PAGE_HEADERS)))
+                    html = baseline if condition == "baseline_page" else \
+                        at_interval(base, args.page_update_seconds) if condition == "page_at" else None
+                    if html is not None:
+                        page.route(base + "/", serve_page(html))
                     page.goto(base + "/")
                     page.wait_for_selector("#graph svg g[data-stage]", timeout=60_000)
                     # Measured from its steady state: the first reading painted, the library listed (what a page
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     watched = [c for c in conditions if c != "closed"]
     result = {"model": args.model, "streams": args.streams, "max_tokens": args.max_tokens, "rounds": args.rounds,
               "openblas": "openblas" in os.environ.get("LD_PRELOAD", ""), "cpu_count": os.cpu_count(),
+              "update_seconds": {c: intervals[c] for c in conditions if c in intervals},
               "load_average_before": [round(x, 2) for x in load_before],
               "load_average_after": [round(x, 2) for x in os.getloadavg()],
               "median_decode_tps": medians,
@@ -201,12 +210,33 @@ def main(argv: list[str] | None = None) -> int:
     return report(result, args.json, markdown)
 
 
+def serve_page(html: bytes) -> Callable[[Any], None]:
+    """A Playwright route handler answering with ``html`` in place of the server's page."""
+    return lambda route: route.fulfill(status=200, body=html, headers=dict(PAGE_HEADERS))
+
+
+UPDATE_SETTING = '"update_seconds": '
+
+
+def page_interval(page: str) -> tuple[int, int]:
+    """Where the value of the page's inline ``update_seconds`` setting is: (start, end)."""
+    start = page.index(UPDATE_SETTING) + len(UPDATE_SETTING)
+    return start, start + len(page[start:]) - len(page[start:].lstrip("0123456789."))
+
+
+def at_interval(base: str, seconds: float) -> bytes:
+    """The server's console page with its figures asked for every ``seconds`` (its inline settings rewritten)."""
+    page = httpx.get(base + "/", timeout=30).text
+    start, end = page_interval(page)
+    return (page[:start] + repr(float(seconds)) + page[end:]).encode()
+
+
 def paired(a: list[float], b: list[float]) -> float:
     return round(statistics.median(x / y for x, y in zip(a, b) if y > 0), 3)
 
 
 LABELS = {"closed": "console closed", "feed": "/stats/events followed", "page": "console open",
-          "baseline_page": "baseline page open"}
+          "page_at": "console open", "baseline_page": "baseline page open"}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -227,7 +257,9 @@ def markdown(result: dict[str, Any]) -> str:
         ratio = result["ratio_to_closed"].get(c, 1.0)
         pair = result["paired_ratio_to_closed"].get(c, 1.0)
         browser = f"{cpu[c]} ({cpu_range[c][0]}–{cpu_range[c][1]})" if c in cpu else "–"
-        lines.append(f"| {LABELS[c]} | {tps} | {low}–{high} | {ratio} | {pair} | {browser} |")
+        every = result["update_seconds"].get(c)
+        label = LABELS[c] + (f", figures every {every:g} s" if every is not None else "")
+        lines.append(f"| {label} | {tps} | {low}–{high} | {ratio} | {pair} | {browser} |")
     return "\n".join(lines)
 
 

@@ -57,7 +57,9 @@ class ConsolePageConfig(StageConfig):
     models_path: str = Field(default="/v1/models", description="the model list the playground offers")
     library_path: str = Field(default="/library", description="the model library with fit (panel hidden if absent)")
     downloads_path: str = Field(default="/downloads", description="downloads: the library's pull button")
-    update_seconds: float = Field(default=1.0, ge=0.2, le=60, description="how often the server sends the figures")
+    # Each update is one frame the browser paints, on the machine that decodes: on a 2-core CPU a frame a second
+    # takes about 2.5 % of decode speed, one every 2 s about half that (scripts/bench_console.py).
+    update_seconds: float = Field(default=2.0, ge=0.2, le=60, description="how often the server sends the figures")
 
 
 class ConsolePage(EndpointStage):

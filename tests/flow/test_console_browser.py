@@ -149,7 +149,7 @@ def test_a_hidden_tab_reads_nothing_until_it_is_shown_again(console: Page) -> No
     console.page.wait_for_timeout(500)
     assert feeds == ["closed"]  # the one open feed, closed at once
     painted = console.page.evaluate(uptime)
-    console.page.wait_for_timeout(3000)  # three readings' time
+    console.page.wait_for_timeout(4500)  # two readings' time and more
     assert feeds == ["closed"] and console.page.evaluate(uptime) == painted  # nothing read, nothing painted
     console.page.evaluate(visibility, False)
     console.page.wait_for_function("(before) => document.getElementById('graph-name').textContent !== before",
