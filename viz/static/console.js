@@ -257,7 +257,8 @@ async function loadLibrary() {
     const a = m.assessment;
     const fit = a ? badgeCell(a.fits ? "fits" : "does not fit", a.fits ? "ok" : "no") :
       badgeCell(m.supported ? "–" : "unsupported");
-    return {cells: [cell(m.repo_id), cell(m.kind + (m.vision ? " · vision" : "") + (m.audio ? " · audio" : "")),
+    const kinds = [m.kind, ...["vision", "audio"].filter((flag) => m[flag] && m.kind !== flag)];  // a VLM: vision once
+    return {cells: [cell(m.repo_id), cell(kinds.join(" · ")),
       cell(m.family), cell(fmtBytes(m.size_bytes), "num"), cell(m.quant_bits ? m.quant_bits + "-bit" : "–"), fit,
       cell(a ? a.max_safe_context : null, "num"), cell(a ? fmtRate(a.predicted_decode_tps) : null, "num"),
       m.serving ? badgeCell("serving", "serving") : {text: "", cls: ""}]};
