@@ -3,7 +3,7 @@
     python scripts/bench_embeddings.py --model DIR_OR_tiny:PRESET [--clients 64] [--requests 8]
 
 A real ``flow serve`` (subprocess; the default graph with the embedding model added) and, in this process
-while the server idles, the two baselines on the same sentences:
+before the server starts, the two baselines on the same sentences:
 
 * **naive**: a loop of direct ``mlx_embeddings`` calls, one input per call (what a server without batching
   does at best);
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import json
 import os
 import signal
 import socket
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -107,26 +110,73 @@ def start_server(path: Path, data: Path, pass_seconds: float) -> tuple[subproces
     raise SystemExit(f"flow serve did not start; see {data / 'serve.log'}")
 
 
-def concurrent(base: str, texts: list[str], clients: int, requests: int) -> dict[str, float]:
+class LeanConnection:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads a Content-Length answer: the least a client
+    can spend per request. httpx's AsyncClient, measured here with 64 coroutines, kept only 2 to 8 requests in
+    the server at a time (its ``/stats``): the client, not the server, set the pace."""
+
+    def __init__(self, base: str) -> None:
+        self.host, port = base.split("//", 1)[1].rsplit(":", 1)
+        self.port = int(port)
+        self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+
+    async def post(self, path: str, body: dict[str, object]) -> tuple[int, bytes]:
+        if self.streams is None:
+            self.streams = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.streams
+        data = json.dumps(body).encode()
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        status = int((await reader.readline()).split()[1])
+        length = None
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        if length is None:
+            raise RuntimeError("the answer has no Content-Length")
+        return status, await reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams[1].close()
+
+
+def concurrent(base: str, texts: list[str], clients: int, requests: int, client_kind: str) -> dict[str, float]:
     """``clients`` concurrent clients, each sending ``requests`` one-sentence requests one after another. The
     clients are coroutines of one event loop: they share the machine's two cores with the server, so they
-    should cost as little as a client can."""
+    should cost as little as a client can (``client_kind`` "lean", see :class:`LeanConnection`; "httpx" for
+    comparison)."""
     latencies: list[float] = []
     failed = [0]
 
-    async def client(http: httpx.AsyncClient, index: int) -> None:
+    async def client(post: Callable[[dict[str, object]], Awaitable[tuple[int, bytes]]], index: int) -> None:
         for k in range(requests):
             text = texts[(index * requests + k) % len(texts)]
             started = time.perf_counter()
-            response = await http.post(base + "/v1/embeddings", json={"model": "embedder", "input": text})
+            status, body = await post({"model": "embedder", "input": text})
             latencies.append(time.perf_counter() - started)
-            failed[0] += response.status_code != 200
+            failed[0] += status != 200 or b'"embedding"' not in body
 
     async def run() -> float:
+        if client_kind == "lean":
+            connections = [LeanConnection(base) for _ in range(clients)]
+            started = time.perf_counter()
+            try:
+                await asyncio.gather(*(client(functools.partial(c.post, "/v1/embeddings"), i)
+                                       for i, c in enumerate(connections)))
+            finally:
+                for connection in connections:
+                    connection.close()
+            return time.perf_counter() - started
         limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
         async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            async def post(body: dict[str, object]) -> tuple[int, bytes]:
+                response = await http.post(base + "/v1/embeddings", json=body)
+                return response.status_code, response.content
+
             started = time.perf_counter()
-            await asyncio.gather(*(client(http, i) for i in range(clients)))
+            await asyncio.gather(*(client(post, i) for i in range(clients)))
             return time.perf_counter() - started
 
     seconds = asyncio.run(run())
@@ -153,6 +203,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--pass-seconds", type=float, default=0.1, help="the model's embed_pass_seconds")
+    parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
+                        help="the concurrent clients' HTTP: a minimal keep-alive client, or httpx's AsyncClient")
     parser.add_argument("--short-interval", type=float, default=0.0,
                         help="seconds between the one-sentence client's requests during the large job (0: back to "
                              "back, a stress pattern; an interactive user asks every so often)")
@@ -160,11 +212,13 @@ def main() -> None:
     path = model_path(args.model)
     texts = sentences(2048)
     data = Path(tempfile.mkdtemp(prefix="flow-bench-embeddings-"))
+    # The ceilings first, before the server starts: a server just started may still be warming up, and its
+    # process's threads would share the cores with the direct calls.
+    baseline = direct(path, texts[: args.clients * args.requests])
     proc, base = start_server(path, data, args.pass_seconds)
     try:
-        baseline = direct(path, texts[: args.clients * args.requests])
         httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[:64]}, timeout=300)  # warm-up
-        load = concurrent(base, texts, args.clients, args.requests)
+        load = concurrent(base, texts, args.clients, args.requests, args.client)
         idle = short_latencies(base, texts, threading.Event(), 50)
         stop = threading.Event()
         during: list[float] = []
@@ -179,8 +233,8 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    print(f"model {args.model}: {args.clients} clients x {args.requests} requests of one sentence; "
-          f"embed_pass_seconds {args.pass_seconds}")
+    print(f"model {args.model}: {args.clients} clients x {args.requests} requests of one sentence ({args.client} "
+          f"clients); embed_pass_seconds {args.pass_seconds}")
     print(f"  flow        {load['inputs_per_s']:8.1f} inputs/s  p50 {load['p50_ms']:.1f} ms  p95 {load['p95_ms']:.1f} ms"
           f"  failed {load['failed']}")
     print(f"  naive loop  {baseline['naive']:8.1f} inputs/s   -> flow / naive = {load['inputs_per_s'] / baseline['naive']:.2f}")
