@@ -28,7 +28,7 @@ from werkzeug.exceptions import HTTPException
 
 from flow.live import NoRoute
 from flow.server import FlowServer
-from flow.stats_feed import parse_interval
+from flow.stats_feed import FeedLimit, parse_interval
 from flow.stats_feed import stats_events as stats_feed
 from flow.websocket import WS_METHOD, ResponsesSocket
 from protocols.errors import ApiError
@@ -173,14 +173,17 @@ def create_app(server: FlowServer) -> QuartTrio:
     async def stats() -> Response:
         return _json(server.observer.stats_json())
 
+    feeds = FeedLimit()
+
     @app.route("/stats/events", methods=["GET"])
     async def stats_events() -> Response:
         """The /stats figures as server-sent events: a whole reading, then what changed (flow.stats_feed)."""
         try:
             interval = parse_interval(request.args.to_dict())
+            feeds.check()
         except ApiError as error:
             return server.error_response(request.path, error)
-        feed = stats_feed(server.observer.stats_json, interval, server.draining)
+        feed = stats_feed(server.observer.stats_json, interval, server.draining, feeds)
         response = Response(feed, content_type="text/event-stream",
                             headers={"cache-control": "no-store", "x-accel-buffering": "no"})
         response.timeout = None

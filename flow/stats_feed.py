@@ -31,6 +31,23 @@ DEFAULT_INTERVAL = 1.0
 MIN_INTERVAL, MAX_INTERVAL = 0.2, 60.0
 KEEPALIVE_SECONDS = 15.0
 RETRY_MILLISECONDS = 2000  # what an EventSource waits before it reconnects
+# Each open feed builds a reading every interval on the event loop: a client opening feeds by the hundred would
+# take the loop from the requests. A console is one feed; a few dashboards more.
+MAX_FEEDS = 16
+
+
+class FeedLimit:
+    """Counts the feeds running; :meth:`check` refuses a new one at ``limit`` with a 429 that says why. A feed
+    counts from its first bytes to its end (a response whose body never began holds nothing)."""
+
+    def __init__(self, limit: int = MAX_FEEDS) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def check(self) -> None:
+        if self.open >= self.limit:
+            raise ApiError("rate_limit", f"{self.open} /stats/events feeds are open, the most this server keeps; "
+                           "close one, or read GET /stats.", retry_after=RETRY_MILLISECONDS / 1000)
 
 
 def parse_interval(query: dict[str, str]) -> float:
@@ -70,9 +87,21 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | N
 _MISSING = object()
 
 
-async def stats_events(read: Callable[[], dict[str, Any]], interval: float,
-                       stop: trio.Event) -> AsyncIterator[bytes]:
-    """The feed's bytes: ``read()`` every ``interval`` seconds until ``stop`` is set."""
+async def stats_events(read: Callable[[], dict[str, Any]], interval: float, stop: trio.Event,
+                       limit: FeedLimit | None = None) -> AsyncIterator[bytes]:
+    """The feed's bytes: ``read()`` every ``interval`` seconds until ``stop`` is set, counted in ``limit`` while
+    it runs, however it ends."""
+    if limit is not None:
+        limit.open += 1
+    try:
+        async for frame in _events(read, interval, stop):
+            yield frame
+    finally:
+        if limit is not None:
+            limit.open -= 1
+
+
+async def _events(read: Callable[[], dict[str, Any]], interval: float, stop: trio.Event) -> AsyncIterator[bytes]:
     yield f"retry: {RETRY_MILLISECONDS}\n\n".encode()
     sent: dict[str, Any] | None = None
     quiet = 0.0  # seconds since the last bytes sent

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 
 from flow import cli
 from flow.compiler import compile_file, compile_tables
+from flow.stats_feed import MAX_FEEDS
 from tests.harness import (GRAPHS, RunningServer, feed_events, graph_with_key, graph_with_model, merged, openai_error,
                            running_server, tables_with_model)
 from viz.svg import render_svg
@@ -96,6 +99,28 @@ def test_a_bad_feed_interval_is_a_400_naming_the_range(qwen3_server: RunningServ
     for interval in ("0", "fast", "100"):
         error = openai_error(httpx.get(qwen3_server.base_url + f"/stats/events?interval={interval}", timeout=10))
         assert error["param"] == "interval" and "from 0.2 to 60" in error["message"]
+
+
+def test_feeds_past_the_limit_are_refused_until_one_closes(qwen3_server: RunningServer) -> None:
+    url = qwen3_server.base_url + "/stats/events?interval=60"
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(httpx.Client(timeout=30, limits=httpx.Limits(max_connections=MAX_FEEDS + 2)))
+        feeds = [stack.enter_context(client.stream("GET", url)) for _ in range(MAX_FEEDS)]
+        assert all(f.status_code == 200 for f in feeds)
+        reading = [feed.iter_raw() for feed in feeds]  # kept: a dropped iterator closes its response
+        for chunks in reading:
+            next(chunks)  # each feed has begun: it counts
+        refused = client.get(url)
+        error = openai_error(refused, 429)
+        assert refused.headers["retry-after"] == "2" and "close one, or read GET /stats" in error["message"]
+        feeds[0].close()
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the closed connection at the feed's next write or wake-up
+            with client.stream("GET", url) as again:
+                if again.status_code == 200:
+                    break
+            assert again.status_code == 429 and time.monotonic() < deadline, "a closed feed still counted"
+            time.sleep(0.1)
 
 
 def test_the_feed_ends_when_the_server_stops(tiny_qwen3: Path) -> None:

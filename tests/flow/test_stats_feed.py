@@ -11,7 +11,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flow.stats_feed import KEEPALIVE_SECONDS, changes, parse_interval, stats_events
+from flow.stats_feed import KEEPALIVE_SECONDS, FeedLimit, changes, parse_interval, stats_events
 from protocols.errors import ApiError
 from tests.harness import merged
 
@@ -100,3 +100,23 @@ async def test_the_feed_sends_a_reading_then_changes_then_keepalives_and_ends_on
     assert events[2] == 'event: stats\ndata: {"models":{"a":{"state":"ready"}},"pair":[1,2]}\n\n'
     assert events[3] == 'event: stats\ndata: {"models":{},"pair":[1,2]}\n\n'  # "a" is gone
     assert events[4:] and set(events[4:]) == {": keepalive\n\n"}  # nothing changed since
+
+
+async def test_a_feed_counts_while_it_runs_and_the_limit_refuses_one_more() -> None:
+    limit = FeedLimit(2)
+    stop = trio.Event()
+    feeds = [stats_events(lambda: {"t": 1}, 1.0, stop, limit) for _ in range(3)]
+    assert limit.open == 0  # a response whose body never began holds nothing
+    for feed in feeds[:2]:
+        assert await feed.__anext__() == b"retry: 2000\n\n"
+    with pytest.raises(ApiError) as refused:
+        limit.check()
+    assert refused.value.status == 429 and "2 /stats/events feeds are open" in refused.value.message
+    await feeds[0].aclose()  # the client left
+    assert limit.open == 1
+    limit.check()
+    stop.set()
+    assert [frame async for frame in feeds[1]] == []  # ends at the stop
+    assert limit.open == 0
+    await feeds[2].aclose()  # never began: nothing to leave
+    assert limit.open == 0
