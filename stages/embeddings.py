@@ -8,7 +8,8 @@ inputs of concurrent requests share forward passes (:mod:`runtime.embeddings`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
@@ -75,7 +76,7 @@ class Embed(EmbeddingModelStage[EmbeddingRequest, Embeddings]):
                                "query–document pairs (POST /v1/rerank) and gives no embeddings.", param="model",
                                code="wrong_model_kind")
             dims = served_dimensions(resource.name, loaded, request.dimensions)
-            ids = await tokenized(loaded, request.inputs, self.truncate)
+            ids = await tokenizing(request.inputs, partial(tokenize, loaded, request.inputs, self.truncate))
             vectors = shorten(await embed_ids(loaded, ids), dims)
             rows = tuple(np.ascontiguousarray(v, dtype="<f4").tobytes() for v in vectors)
             await outbox.send(Embeddings(request, resource.name, rows, dims, sum(len(i) for i in ids)))
@@ -107,12 +108,11 @@ def shorten(vectors: np.ndarray, dims: int) -> np.ndarray:
 INLINE_TOKENIZE_CHARS = 2048
 
 
-async def tokenized(loaded: LoadedEmbedder, inputs: Sequence[str | tuple[int, ...]], truncate: bool) -> list[list[int]]:
-    """:func:`tokenize`, on a worker thread when the inputs are long."""
-    size = sum(len(item) for item in inputs)
-    if size <= INLINE_TOKENIZE_CHARS:
-        return tokenize(loaded, inputs, truncate)
-    return await trio.to_thread.run_sync(tokenize, loaded, inputs, truncate)
+async def tokenizing(texts: Sequence[str | tuple[int, ...]], work: Callable[[], list[list[int]]]) -> list[list[int]]:
+    """``work()``, which tokenizes ``texts``: on the event loop when they are short, else on a worker thread."""
+    if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+        return work()
+    return await trio.to_thread.run_sync(work)
 
 
 def tokenize(loaded: LoadedEmbedder, inputs: Sequence[str | tuple[int, ...]], truncate: bool,

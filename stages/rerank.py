@@ -9,6 +9,7 @@ their dot product, in [-1, 1]). The response says which (``meta.scoring``).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -17,7 +18,7 @@ import trio
 from flow.stage import Outbox
 from protocols import openai_chat, rerank
 from protocols.ir import HttpRequest, Ranking, RerankRequest
-from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize, tokenize_pairs
+from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize, tokenize_pairs, tokenizing
 from stages.protocol import BodyDecode, JsonFormat
 
 COSINE = "cosine similarity of the query's and the document's embeddings"
@@ -43,13 +44,14 @@ class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
         async for request in inbox:
             resource, loaded = await self.embedder(request.model)
             if loaded.profile.task == "score":
-                ids = await trio.to_thread.run_sync(tokenize_pairs, loaded, request.query, request.documents,
-                                                    self.truncate)
+                ids = await tokenizing((request.query, *request.documents), partial(
+                    tokenize_pairs, loaded, request.query, request.documents, self.truncate))
                 scores, scoring = (await embed_ids(loaded, ids))[:, 0], CROSS_ENCODER
             else:
-                query = await trio.to_thread.run_sync(tokenize, loaded, (request.query,), self.truncate, "query")
-                ids = [*query, *await trio.to_thread.run_sync(tokenize, loaded, request.documents, self.truncate,
-                                                              "documents[{}]")]
+                query = await tokenizing((request.query,), partial(
+                    tokenize, loaded, (request.query,), self.truncate, "query"))
+                ids = [*query, *await tokenizing(request.documents, partial(
+                    tokenize, loaded, request.documents, self.truncate, "documents[{}]"))]
                 vectors = await embed_ids(loaded, ids)
                 scores, scoring = np.clip(vectors[1:] @ vectors[0], -1.0, 1.0), COSINE
             await outbox.send(Ranking(request, resource.name, tuple(float(x) for x in scores), scoring,
