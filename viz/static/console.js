@@ -338,7 +338,6 @@ async function readEvents(response, onEvent) {
 let stats = null;
 let feed = null;           // the open feed's AbortController
 let paintPending = false;  // a paint is waiting for the next animation frame
-let events = 0;
 
 function merge(target, change) {
   for (const [key, value] of Object.entries(change)) {
@@ -381,7 +380,6 @@ async function openFeed() {
       if (name === "stats") stats = JSON.parse(data);
       else if (name === "change" && stats !== null) merge(stats, JSON.parse(data));
       else return;
-      events++;
       schedulePaint();
     });
     throw new Error("the server closed the feed");
