@@ -600,9 +600,16 @@ class Engine:
         q = self.kv_quantizer
         if q is None or tokens <= q.start:
             return per_token * tokens
+        return per_token * q.start + int(per_token * self._quantized_kv_ratio * (tokens - q.start))
+
+    @cached_property
+    def _quantized_kv_ratio(self) -> float:
+        """A quantized KV element's bytes (its code, and a scale and a bias per group) over a full one's: read
+        once, not on each request's admission (finding the dtype walks the model's parameters)."""
+        q = self.kv_quantizer
+        assert q is not None
         itemsize = _activation_itemsize(self.model)
-        ratio = (q.bits / 8 + 2 * itemsize / q.group_size) / itemsize
-        return per_token * q.start + int(per_token * ratio * (tokens - q.start))
+        return (q.bits / 8 + 2 * itemsize / q.group_size) / itemsize
 
     def stats_json(self) -> dict[str, Any]:
         """A JSON-ready snapshot for ``/stats`` (safe to call from any thread)."""
