@@ -335,7 +335,10 @@ def load_embedder(name: str, path: Path, device: DeviceThread, pass_tokens: int,
         from mlx.utils import tree_flatten
         from mlx_embeddings.utils import load
 
+        from runtime.cpu_activations import use_fast_gelu
+
         model, wrapper = load(str(path))
+        use_fast_gelu(model)  # on the CPU, GELU's erf cost more than an encoder's matrix products
         tokenizer = getattr(wrapper, "_tokenizer", wrapper)
         ones = mx.array([[1]])
         probe = readout(model(mx.array([[tokenizer.pad_token_id or 0]]), attention_mask=ones), ones)

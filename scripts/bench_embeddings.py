@@ -7,7 +7,8 @@ before the server starts, the two baselines on the same sentences:
 
 * **naive**: a loop of direct ``mlx_embeddings`` calls, one input per call (what a server without batching
   does at best);
-* **batched**: direct calls of 64 inputs each (the ceiling).
+* **batched**: direct calls of 64 inputs each (the ceiling);
+* **batched, as flow runs the model**: the same, after flow's load-time changes (on the CPU, a faster GELU).
 
 Runs: ``--clients`` concurrent clients each sending ``--requests`` requests of one short sentence (inputs/s,
 p50/p95 latency); then one client embedding 2,048 sentences in one request while another sends one short
@@ -58,9 +59,12 @@ def model_path(ref: str) -> Path:
 
 
 def direct(path: Path, texts: list[str]) -> dict[str, float]:
-    """Inputs/s of the naive loop and of 64-input batched calls, in this process (the server idles)."""
+    """Inputs/s of the naive loop and of 64-input batched calls, in this process (the server idles); and of the
+    batched calls again with the model as flow runs it (on the CPU, flow's GELU: ``runtime/cpu_activations``)."""
     import mlx.core as mx
     from mlx_embeddings.utils import load
+
+    from runtime.cpu_activations import use_fast_gelu
 
     model, wrapper = load(str(path))
     tokenizer = wrapper._tokenizer
@@ -70,16 +74,16 @@ def direct(path: Path, texts: list[str]) -> dict[str, float]:
         out = model(mx.array(encoded["input_ids"]), attention_mask=mx.array(encoded["attention_mask"]))
         mx.eval(out.text_embeds)
 
-    run(texts[:8])  # warm-up
-    started = time.perf_counter()
-    for text in texts:
-        run([text])
-    naive = len(texts) / (time.perf_counter() - started)
-    started = time.perf_counter()
-    for i in range(0, len(texts), 64):
-        run(texts[i:i + 64])
-    batched = len(texts) / (time.perf_counter() - started)
-    return {"naive": naive, "batched": batched}
+    def rate(size: int, count: int) -> float:
+        run(texts[:size])  # warm-up
+        started = time.perf_counter()
+        for i in range(0, count, size):
+            run(texts[i:i + size])
+        return count / (time.perf_counter() - started)
+
+    naive, batched = rate(1, min(len(texts), 256)), rate(64, len(texts))
+    swapped = use_fast_gelu(model)
+    return {"naive": naive, "batched": batched, "batched_flow": rate(64, len(texts)) if swapped else batched}
 
 
 def free_port() -> int:
@@ -240,6 +244,8 @@ def main() -> None:
     print(f"  naive loop  {baseline['naive']:8.1f} inputs/s   -> flow / naive = {load['inputs_per_s'] / baseline['naive']:.2f}")
     print(f"  batched 64  {baseline['batched']:8.1f} inputs/s   -> flow / batched = "
           f"{load['inputs_per_s'] / baseline['batched']:.2f}")
+    print(f"  batched 64, the model as flow runs it  {baseline['batched_flow']:8.1f} inputs/s   -> flow / that = "
+          f"{load['inputs_per_s'] / baseline['batched_flow']:.2f}")
     print(f"one request of 2,048 sentences: {big.status_code}, {big_seconds:.2f} s ({2048 / big_seconds:.1f} inputs/s)")
     print(f"  a one-sentence client meanwhile ({args.short_interval:g} s between requests): {len(during)} requests, p50 {percentile(during, 50):.1f} ms, "
           f"p95 {percentile(during, 95):.1f} ms; idle p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms"
