@@ -3,6 +3,15 @@ decoding decides from it whether a step verifies drafts."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+# idle_pass_cost: the passes it times (rows × tokens), and the longest a first small pass may take for the
+# measurement to go on (a large model on a CPU: a few seconds of load time saved, the fit used instead)
+CALIBRATION_TOKENS = 8
+CALIBRATION_ROWS = 16
+CALIBRATION_BUDGET_SECONDS = 0.25
+
 
 class PassCost:
     """A pass's seconds as ``overhead + per_token × padded tokens``, fitted on recent passes (exponentially
@@ -47,3 +56,27 @@ class PassCost:
             return None
         overhead, per_token = self.fit()
         return int((seconds - overhead) / per_token)
+
+
+def idle_pass_cost(run: Callable[[int, int], object]) -> tuple[float, float] | None:
+    """(overhead seconds, seconds per padded token) of a pass on the idle device, from ``run(rows, tokens)``
+    (one forward pass, evaluated) timed at two sizes, the faster of two tries each; None when a small pass is
+    too slow to spend the time on (the fitted :class:`PassCost` serves then)."""
+    def fastest(rows: int) -> float:
+        times = []
+        for _ in range(2):
+            started = time.perf_counter()
+            run(rows, CALIBRATION_TOKENS)
+            times.append(time.perf_counter() - started)
+            if times[-1] > CALIBRATION_BUDGET_SECONDS:
+                break
+        return min(times)
+
+    one = fastest(1)
+    if one > CALIBRATION_BUDGET_SECONDS:
+        return None
+    several = fastest(CALIBRATION_ROWS)
+    per_token = max(several - one, 0.0) / ((CALIBRATION_ROWS - 1) * CALIBRATION_TOKENS)
+    if per_token <= 0:
+        return None
+    return max(0.0, one - per_token * CALIBRATION_TOKENS), per_token

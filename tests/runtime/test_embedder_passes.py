@@ -3,9 +3,11 @@ alone, and short passes that finish the small requests behind a large job first 
 
 from __future__ import annotations
 
+import itertools
+import random
 from typing import Any
 
-from runtime.embeddings import Embedder
+from runtime.embeddings import Embedder, length_groups
 from runtime.pass_cost import PassCost
 
 
@@ -89,3 +91,32 @@ def test_many_small_requests_and_no_large_one_get_full_passes() -> None:
     for _ in range(150):  # 64 clients' worth of one-sentence requests, more than one solo pass holds
         e.submit([[1] * 10])
     assert len(e._next_pass()) == 100  # a solo pass (1,000 padded tokens), not a short one (100)
+
+
+def _cost(lengths: list[int], groups: list[slice], overhead: float, per_token: float) -> float:
+    return float(sum(overhead + per_token * (g.stop - g.start) * lengths[g.stop - 1] for g in groups))
+
+
+def test_a_short_query_is_not_padded_to_a_long_documents_length() -> None:
+    lengths = [9] * 5 + [200]
+    assert length_groups(lengths, overhead=0.005, per_token=0.0005) == [slice(0, 5), slice(5, 6)]
+    # similar lengths: one more pass's overhead costs more than the padding it saves
+    assert length_groups([12, 13, 13, 14], overhead=0.005, per_token=0.0005) == [slice(0, 4)]
+    # before the overhead is known (no fit yet), never split
+    assert length_groups(lengths, overhead=0.0, per_token=0.0005) == [slice(0, 6)]
+
+
+def test_the_split_is_the_cheapest_over_every_set_of_cut_points() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        lengths = sorted(rng.randint(1, 40) for _ in range(rng.randint(1, 9)))
+        overhead, per_token = rng.uniform(0.001, 0.05), rng.uniform(0.0001, 0.002)
+        groups = length_groups(lengths, overhead, per_token)
+        assert groups[0].start == 0 and groups[-1].stop == len(lengths)
+        assert all(a.stop == b.start for a, b in zip(groups, groups[1:]))
+        best = min(_cost(lengths, [slice(a, b) for a, b in zip((0, *cuts), (*cuts, len(lengths)))], overhead,
+                         per_token)
+                   for r in range(len(lengths)) for cuts in itertools.combinations(range(1, len(lengths)), r))
+        assert _cost(lengths, groups, overhead, per_token) <= best + 1e-12
+        # equal lengths stay together: a cut never falls between two inputs of one length
+        assert all(lengths[g.start - 1] != lengths[g.start] for g in groups[1:])
