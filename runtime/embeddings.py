@@ -125,19 +125,15 @@ class Embedder(JobQueue[_Job]):
 
     def __init__(self, model: Any, device: DeviceThread, pad_id: int, dims: int, pass_tokens: int,
                  pass_seconds: float = 0.1, readout: Readout | None = None,
-                 shape_cost: tuple[float, float] | None = None) -> None:
+                 idle_cost: tuple[float, float] | None = None) -> None:
         self.model = model
-        # (overhead seconds, seconds per padded token) of a pass on an idle device, measured at load: passes
-        # measured under load also pay for the event loop's work, which the fit would read as overhead (on two
-        # cores it read 0.13 s for MiniLM, against 0.013 s idle), and splitting a pass then never looks worth it
-        self.shape_cost = shape_cost
         self.readout = readout or builtin_vectors
         super().__init__(device)
         self.pad_id = pad_id
         self.dims = dims
         self.pass_tokens = pass_tokens
         self.pass_seconds = pass_seconds
-        self.cost = PassCost()  # measured on the passes so far
+        self.cost = PassCost(idle=idle_cost)  # measured at load (idle_cost) and on the passes so far
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=8)  # (monotonic time, id of the job) of recent ones
         self._last_pass_finishing = False  # the last pass served only newcomers: the next one is round-robin
         self.passes = 0
@@ -253,7 +249,7 @@ class Embedder(JobQueue[_Job]):
         if not chosen:
             return
         chosen.sort(key=lambda pick: len(pick[0].inputs[pick[1]]))
-        for group in length_groups([len(job.inputs[i]) for job, i in chosen], *(self.shape_cost or self.cost.fit())):
+        for group in length_groups([len(job.inputs[i]) for job, i in chosen], *self.cost.fit()):
             self._forward(chosen[group])
 
     def _forward(self, chosen: list[tuple[_Job, int]]) -> None:

@@ -1,4 +1,4 @@
-"""What a forward pass costs, fitted on the passes just run: the embedder sizes its passes by it, and speculative
+"""What a forward pass costs, measured on the idle device and fitted on the passes just run: the embedder sizes its passes by it, and speculative
 decoding decides from it whether a step verifies drafts."""
 
 from __future__ import annotations
@@ -14,13 +14,20 @@ CALIBRATION_BUDGET_SECONDS = 0.25
 
 
 class PassCost:
-    """A pass's seconds as ``overhead + per_token × padded tokens``, fitted on recent passes (exponentially
-    weighted least squares): on a CPU a one-input pass costs far more per token than a 64-input one, so a
-    single seconds-per-token average would make time-bounded passes too small."""
+    """A pass's seconds as ``overhead + per_token × padded tokens``.
 
-    def __init__(self, weight: float = 0.1) -> None:
+    With ``idle`` — that line measured on the idle device (:func:`idle_pass_cost`) — the passes run only fit
+    a slowdown factor (exponentially weighted mean of measured / idle seconds): under load the event loop's
+    work makes every pass slower, and fitting both terms on such passes reads it as overhead (0.13 s for
+    MiniLM under 64 clients, against 0.011 s idle). Without it, both terms are fitted on recent passes
+    (exponentially weighted least squares): on a CPU a one-input pass costs far more per token than a 64-input
+    one, so a single seconds-per-token average would make time-bounded passes too small."""
+
+    def __init__(self, weight: float = 0.1, idle: tuple[float, float] | None = None) -> None:
         self.weight = weight
+        self.idle = idle
         self.passes = 0
+        self.slowdown = 1.0
         self._x = self._y = self._xx = self._xy = 0.0  # weighted means of tokens, seconds, tokens², tokens×seconds
 
     def add(self, tokens: int, seconds: float) -> None:
@@ -29,6 +36,8 @@ class PassCost:
         self._y += w * (seconds - self._y)
         self._xx += w * (tokens * tokens - self._xx)
         self._xy += w * (tokens * seconds - self._xy)
+        if self.idle is not None:
+            self.slowdown += w * (seconds / (self.idle[0] + self.idle[1] * tokens) - self.slowdown)
         self.passes += 1
 
     @property
@@ -42,7 +51,10 @@ class PassCost:
         return self._y
 
     def fit(self) -> tuple[float, float]:
-        """(overhead seconds, seconds per padded token); a plain average while the sizes seen barely differ."""
+        """(overhead seconds, seconds per padded token): the idle line times the slowdown seen; without an idle
+        line, fitted (a plain average while the sizes seen barely differ)."""
+        if self.idle is not None:
+            return self.idle[0] * self.slowdown, self.idle[1] * self.slowdown
         spread = self._xx - self._x * self._x
         if self.passes >= 3 and spread > (0.1 * self._x) ** 2:
             per_token = (self._xy - self._x * self._y) / spread

@@ -78,16 +78,16 @@ def test_a_short_input_is_not_padded_to_a_long_ones_length(server: RunningServer
     loaded = next(m for m in server.server.models if m.name == "bert").embedding
     assert loaded is not None
     embedder = loaded.embedder
-    measured = embedder.shape_cost
+    measured = embedder.cost.idle
     assert measured is not None and measured[0] > 0 and measured[1] > 0  # timed at load
     texts = ["a", "b c", " ".join(["river"] * 120)]
     expected = server.server.device.call(lambda: direct(embedders["bert"], texts))
-    embedder.shape_cost = (0.001, 1e-5)  # a pass's overhead: 100 padded tokens (the tiny model's own is ~700)
+    embedder.cost.idle = (0.001, 1e-5)  # a pass's overhead: 100 padded tokens (the tiny model's own is ~700)
     try:
         before = (embedder.passes, embedder.tokens, embedder.padded_tokens)
         got = np.array([d["embedding"] for d in embed(server, model="bert", input=texts).json()["data"]])
     finally:
-        embedder.shape_cost = measured
+        embedder.cost.idle = measured
     assert np.abs(got - expected).max() < 1e-5
     passes, tokens, padded = (now - then for now, then in zip((embedder.passes, embedder.tokens,
                                                                 embedder.padded_tokens), before))

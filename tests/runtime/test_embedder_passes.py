@@ -85,6 +85,17 @@ def test_the_pass_cost_separates_overhead_from_tokens() -> None:
     assert 115 < (cost.tokens_within(0.1) or 0) < 125  # (0.1 - overhead) / per_token
 
 
+def test_with_an_idle_line_passes_under_load_only_scale_it() -> None:
+    """Passes under load are slower by a factor: the overhead is not read as larger than the idle one's share."""
+    cost = PassCost(weight=0.5, idle=(0.01, 0.001))
+    for tokens in (100, 400, 50, 800, 200, 600):
+        cost.add(tokens, 1.5 * (0.01 + 0.001 * tokens) * (1.1 if tokens < 300 else 0.95))  # noisy, 1.5x on average
+    overhead, per_token = cost.fit()
+    assert 1.3 < cost.slowdown < 1.7
+    assert abs(overhead / per_token - 10) < 1e-9  # the idle line's shape, scaled
+    assert cost.tokens_within(0.1) == int((0.1 - overhead) / per_token)
+
+
 def test_many_small_requests_and_no_large_one_get_full_passes() -> None:
     e = embedder(pass_tokens=1000)
     measured(e)
