@@ -6,10 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-# idle_pass_cost: the passes it times (rows × tokens), and the longest a first small pass may take for the
-# measurement to go on (a large model on a CPU: a few seconds of load time saved, the fit used instead)
+# idle_pass_cost: the passes it times (rows × tokens), the largest number of rows it grows to, how much longer
+# than the one-row pass the larger pass must take for the difference to stand above timing noise, and the
+# longest a pass may take for the measurement to go on (a large model on a CPU: a few seconds of load time
+# saved, the fit used instead)
 CALIBRATION_TOKENS = 8
 CALIBRATION_ROWS = 16
+CALIBRATION_MAX_ROWS = 1024
+CALIBRATION_SPREAD = 1.5
 CALIBRATION_BUDGET_SECONDS = 0.25
 
 
@@ -70,16 +74,20 @@ class PassCost:
         return int((seconds - overhead) / per_token)
 
 
-def idle_pass_cost(run: Callable[[int, int], object]) -> tuple[float, float] | None:
+def idle_pass_cost(run: Callable[[int, int], object],
+                   clock: Callable[[], float] = time.perf_counter) -> tuple[float, float] | None:
     """(overhead seconds, seconds per padded token) of a pass on the idle device, from ``run(rows, tokens)``
-    (one forward pass, evaluated) timed at two sizes, the faster of two tries each; None when a small pass is
-    too slow to spend the time on (the fitted :class:`PassCost` serves then)."""
+    (one forward pass, evaluated) timed at two sizes, the fastest of three tries each; None when a small pass
+    is too slow to spend the time on (the fitted :class:`PassCost` serves then). ``clock``: seconds, for tests.
+
+    The larger pass grows (×4 rows) until it takes clearly longer than the one-row pass: on a small model a
+    pass is nearly all overhead, and 16 rows differed from one by less than a busy machine's timing noise."""
     def fastest(rows: int) -> float:
-        times = []
-        for _ in range(2):
-            started = time.perf_counter()
+        times: list[float] = []
+        for _ in range(3):
+            started = clock()
             run(rows, CALIBRATION_TOKENS)
-            times.append(time.perf_counter() - started)
+            times.append(clock() - started)
             if times[-1] > CALIBRATION_BUDGET_SECONDS:
                 break
         return min(times)
@@ -87,8 +95,12 @@ def idle_pass_cost(run: Callable[[int, int], object]) -> tuple[float, float] | N
     one = fastest(1)
     if one > CALIBRATION_BUDGET_SECONDS:
         return None
-    several = fastest(CALIBRATION_ROWS)
-    per_token = (several - one) / ((CALIBRATION_ROWS - 1) * CALIBRATION_TOKENS)
+    rows = CALIBRATION_ROWS
+    several = fastest(rows)
+    while several < CALIBRATION_SPREAD * one and several < CALIBRATION_BUDGET_SECONDS and rows < CALIBRATION_MAX_ROWS:
+        rows *= 4
+        several = fastest(rows)
+    per_token = (several - one) / ((rows - 1) * CALIBRATION_TOKENS)
     if per_token <= 0:  # timing noise swamped the difference: no line to trust
         return None
     return max(0.0, one - per_token * CALIBRATION_TOKENS), per_token

@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from runtime.embeddings import Embedder, length_groups
-from runtime.pass_cost import PassCost
+from runtime.pass_cost import CALIBRATION_TOKENS, PassCost, idle_pass_cost
 
 
 class _Device:
@@ -83,6 +83,33 @@ def test_the_pass_cost_separates_overhead_from_tokens() -> None:
     overhead, per_token = cost.fit()
     assert abs(overhead - 0.0455) < 0.002 and abs(per_token - 0.000455) < 0.00002
     assert 115 < (cost.tokens_within(0.1) or 0) < 125  # (0.1 - overhead) / per_token
+
+
+def test_the_idle_line_grows_its_larger_pass_above_the_noise() -> None:
+    """A small model's pass is nearly all overhead: 16 rows cost barely more than one, and timing noise could
+    make them read as cheaper (a test server on a busy CI machine got no line). The larger pass grows until it
+    takes clearly longer, and the line comes out right."""
+    runs: list[int] = []
+    clock = [0.0]
+    overhead, per_token = 0.005, 1e-6  # 5,000 tokens' worth of overhead
+
+    def run(rows: int, tokens: int) -> None:
+        runs.append(rows)
+        clock[0] += overhead + per_token * rows * tokens
+
+    line = idle_pass_cost(run, clock=lambda: clock[0])
+    assert line is not None
+    assert abs(line[0] - overhead) < 1e-9 and abs(line[1] - per_token) < 1e-12
+    assert max(runs) * CALIBRATION_TOKENS * per_token > 0.5 * overhead  # grown past 16 rows
+
+
+def test_no_idle_line_when_a_pass_is_too_slow_to_time() -> None:
+    clock = [0.0]
+
+    def run(rows: int, tokens: int) -> None:
+        clock[0] += 0.3 + 0.01 * rows
+
+    assert idle_pass_cost(run, clock=lambda: clock[0]) is None
 
 
 def test_with_an_idle_line_passes_under_load_only_scale_it() -> None:
