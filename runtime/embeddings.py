@@ -7,18 +7,23 @@ Requests hand it their inputs as token-id lists (:meth:`Embedder.submit`, from
 any thread) and wait on a future for their vectors. Each step builds one
 forward pass from the inputs waiting:
 
-* when everything waiting fits in one *solo* pass — at most ``pass_tokens``
-  padded tokens (inputs × longest input) and at most ``SOLO_PASS_SECONDS`` of
-  device time (measured on the passes so far) — it all goes in one pass;
-* when it does not (a large job), and nobody else waits or has asked in the
-  last second, the large job gets solo passes (efficient: nobody is behind it);
-* when many small requests wait and none is large, solo passes round-robin;
+* when nobody else waits or has asked in the last second, what waits goes in
+  *solo* passes — at most ``pass_tokens`` padded tokens (inputs × longest
+  input) and at most ``SOLO_PASS_SECONDS`` of device time (measured on the
+  passes so far): efficient, and nobody is behind them;
+* when many small requests wait and none is large (more than one short pass),
+  solo passes too: short passes would only slow them all;
 * otherwise (a large job and others) a pass holds what the device computes in
   ``pass_seconds``, and the requests such a pass can finish — the one-sentence requests behind a
   2,000-input job — get a pass of their own before the large job goes on (never
   two such passes in a row, so a stream of small requests cannot starve the
   large one). Other passes take inputs **round-robin across requests**, one from
   each in turn, the request served longest ago first.
+
+A pass holding a large job's inputs is computed block by block (:mod:`runtime.block_hooks`), and between two
+blocks the requests a short pass can finish that arrived meanwhile get that pass at once (*preemption*): a
+one-sentence query waits for one block of a 2,000-input job's pass, not for the whole pass. What such passes
+take is bounded by the large pass's own time, so the large job still gets half the device or more.
 
 A request's inputs are queued shortest first, so its passes waste little padding; and a pass's inputs are
 split into forward passes of similar lengths where one more pass's fixed cost (measured at load on the idle
@@ -48,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.block_hooks import after_each_block
 from runtime.device import DeviceThread, JobQueue
 from runtime.pass_cost import PassCost, idle_pass_cost
 from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, read_profile
@@ -79,10 +85,16 @@ class _Job:
     out: np.ndarray
     left: int
     submitted: float = 0.0  # monotonic seconds
+    longest: int = 0  # its longest input's tokens
     served: int = -1  # the last pass it had inputs in (round-robin starts with the longest unserved)
 
 
 Readout = Callable[[Any, Any], Any]  # (model output, attention mask) → (n, dims) mx.array
+
+
+def _large(job: _Job, budget: int) -> bool:
+    """Whether all of a request's inputs take more than ``budget`` padded tokens (more than one short pass)."""
+    return job.longest * len(job.inputs) > budget
 
 
 def _padded(job: _Job) -> int:
@@ -136,10 +148,16 @@ class Embedder(JobQueue[_Job]):
         self.cost = PassCost(idle=idle_cost)  # measured at load (idle_cost) and on the passes so far
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=8)  # (monotonic time, id of the job) of recent ones
         self._last_pass_finishing = False  # the last pass served only newcomers: the next one is round-robin
+        # preemption: the pass under way serves newcomers between its blocks, for at most this many seconds more
+        self._preempting = False
+        self._preemption_allowance = 0.0
+        self._preemption_seconds = 0.0  # device time of the passes run between blocks, all told
+        self.preemptions = 0
         self.passes = 0
         self.inputs = 0
         self.tokens = 0
         self.padded_tokens = 0
+        self.blocks = after_each_block(model, self._between_blocks)
         device.add_stepper(self)
 
     def submit(self, inputs: list[list[int]]) -> concurrent.futures.Future[np.ndarray]:
@@ -148,6 +166,7 @@ class Embedder(JobQueue[_Job]):
         job = _Job(inputs, future, deque(sorted(range(len(inputs)), key=lambda i: len(inputs[i]))),
                    np.empty((len(inputs), self.dims), dtype=np.float32), len(inputs))
         job.submitted = time.monotonic()
+        job.longest = max(len(tokens) for tokens in inputs)
         with self._lock:
             self._arrivals.append((job.submitted, id(job)))
             self._jobs.append(job)
@@ -155,9 +174,9 @@ class Embedder(JobQueue[_Job]):
         return future
 
     def _next_pass(self) -> list[tuple[_Job, int]]:
-        """Inputs for one pass (see the module docstring): everything, when it fits in a solo pass; a solo pass
-        for a large job nobody waits behind; else a short pass, given to the requests it can finish —
-        newcomers behind a large job — before the large job goes on."""
+        """Inputs for one pass (see the module docstring): a solo pass when nobody waits behind it, or when no
+        waiting request is large; else a short pass, given to the requests it can finish — newcomers behind a
+        large job — before the large job goes on."""
         with self._lock:
             ring = [job for job in self._jobs if not job.future.cancelled()]
             self._jobs = deque(ring)
@@ -165,9 +184,10 @@ class Embedder(JobQueue[_Job]):
             if not waiting:
                 return []
             solo = self.budget(SOLO_PASS_SECONDS)
-            if max(waiting) * len(waiting) <= solo or not self._contended(ring):
+            if not self._contended(ring):
                 return self._take(ring, solo)  # nobody waits behind this pass: make it efficient
             budget = self.budget(self.pass_seconds)
+            # (a large job's last inputs fit a solo pass, but an interactive client would wait for its blocks)
             if not any(_padded(job) > budget for job in ring):
                 return self._take(ring, solo)  # many small requests and no large job: short passes would only slow all
             if not self._last_pass_finishing:
@@ -237,9 +257,12 @@ class Embedder(JobQueue[_Job]):
 
     def budget(self, seconds: float) -> int:
         """Padded tokens the device computes in ``seconds`` (measured on the passes so far), at most
-        ``pass_tokens``."""
-        tokens = self.cost.tokens_within(seconds)
-        return self.pass_tokens if tokens is None else max(1, min(self.pass_tokens, tokens))
+        ``pass_tokens``; and at least what a pass of twice the fixed cost holds: a shorter pass would spend most
+        of its time on that cost (a large model on a CPU: a one-input pass may take longer than ``pass_seconds``)."""
+        if not self.cost.passes:
+            return self.pass_tokens
+        tokens = self.cost.tokens_within(max(seconds, 2 * self.cost.fit()[0])) or 1
+        return max(1, min(self.pass_tokens, tokens))
 
     def step(self) -> None:
         if self._gathering():
@@ -248,9 +271,47 @@ class Embedder(JobQueue[_Job]):
         chosen = self._next_pass()
         if not chosen:
             return
+        budget = self.budget(self.pass_seconds)
+        if self.blocks > 1 and any(_large(job, budget) for job in {id(job): job for job, _ in chosen}.values()):
+            overhead, per_token = self.cost.fit()
+            padded = max(len(job.inputs[i]) for job, i in chosen) * len(chosen)
+            self._preemption_allowance = max(self.pass_seconds, overhead + per_token * padded)
+            self._preempting = True
+        try:
+            self._run(chosen)
+        finally:
+            self._preempting = False
+
+    def _run(self, chosen: list[tuple[_Job, int]]) -> None:
+        """``chosen``'s forward passes: split by length where that pays (:func:`length_groups`)."""
         chosen.sort(key=lambda pick: len(pick[0].inputs[pick[1]]))
         for group in length_groups([len(job.inputs[i]) for job, i in chosen], *self.cost.fit()):
             self._forward(chosen[group])
+
+    def _between_blocks(self, output: Any) -> None:
+        """After each block of a pass: while a large job's pass is under way, compute it this far and give the
+        requests a short pass can finish — arrived since it began — that pass now."""
+        if not self._preempting or self._preemption_allowance <= 0:
+            return
+        import mlx.core as mx
+
+        mx.eval(output)  # the pass so far: MLX computes lazily, and would otherwise compute it all at the end
+        with self._lock:
+            budget = self.budget(self.pass_seconds)
+            ring = [job for job in self._jobs if job.order and not job.future.cancelled() and not _large(job, budget)]
+            chosen = self._take(self._finishing(ring, budget), budget) if ring else []
+        if not chosen:
+            return
+        self._preempting = False  # no preemption inside the preempting pass
+        started = time.perf_counter()
+        try:
+            self._run(chosen)
+        finally:
+            seconds = time.perf_counter() - started
+            self._preemption_seconds += seconds
+            self._preemption_allowance -= seconds
+            self._preempting = True
+        self.preemptions += 1
 
     def _forward(self, chosen: list[tuple[_Job, int]]) -> None:
         """One forward pass over ``chosen`` (right-padded to the longest), its vectors delivered."""
@@ -262,7 +323,7 @@ class Embedder(JobQueue[_Job]):
         for row, (job, i) in enumerate(chosen):
             ids[row, : len(job.inputs[i])] = job.inputs[i]
             mask[row, : len(job.inputs[i])] = 1
-        started = time.perf_counter()
+        started, preempted = time.perf_counter(), self._preemption_seconds
         try:
             attention = mx.array(mask)
             output = self.model(mx.array(ids), attention_mask=attention)
@@ -273,7 +334,8 @@ class Embedder(JobQueue[_Job]):
                 if not job.future.done():
                     job.future.set_exception(exc)
             return
-        self.cost.add(ids.size, time.perf_counter() - started)
+        # the pass's own time: less the passes run between its blocks
+        self.cost.add(ids.size, time.perf_counter() - started - (self._preemption_seconds - preempted))
         self.passes += 1
         self.inputs += len(chosen)
         self.tokens += int(mask.sum())
@@ -292,7 +354,7 @@ class Embedder(JobQueue[_Job]):
     def stats_json(self) -> dict[str, Any]:
         return {"passes": self.passes, "inputs": self.inputs, "tokens": self.tokens,
                 "padding": round(1 - self.tokens / self.padded_tokens, 3) if self.padded_tokens else 0.0,
-                "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens,
+                "preemptions": self.preemptions, "waiting_requests": len(self._jobs), "pass_tokens": self.pass_tokens,
                 "pass_budget": self.budget(self.pass_seconds)}
 
 

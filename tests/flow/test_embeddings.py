@@ -124,6 +124,37 @@ def test_concurrent_requests_share_passes_and_get_their_own_vectors(server: Runn
     assert embedder.embedder.passes - passes_before < 16  # requests shared forward passes
 
 
+def test_short_requests_during_a_large_job_are_answered_first_with_their_own_vectors(
+        server: RunningServer, embedders: dict[str, Path]) -> None:
+    """A large job spans many passes; one-sentence requests sent meanwhile are answered while it runs (between
+    its passes, or between the blocks of a pass), each with its own vector; the large job's vectors are unchanged."""
+    loaded = next(m for m in server.server.models if m.name == "bert").embedding
+    assert loaded is not None
+    big_texts = [f"document {i}: " + " ".join(["river", "stone", "harbour"][: 1 + i % 3] * (1 + i % 5))
+                 for i in range(300)]
+    expected_big = server.server.device.call(lambda: direct(embedders["bert"], big_texts))
+    expected = server.server.device.call(lambda: direct(embedders["bert"], TEXTS))
+    saved, loaded.embedder.pass_tokens = loaded.embedder.pass_tokens, 96  # the large job: dozens of passes
+    big: dict[str, Any] = {}
+    worker = threading.Thread(target=lambda: big.update(embed(server, model="bert", input=big_texts).json()))
+    answered_during = 0
+    try:
+        worker.start()
+        while worker.is_alive() or not big:
+            got = embed(server, model="bert", input=TEXTS[answered_during % 3]).json()["data"][0]["embedding"]
+            assert np.abs(np.array(got) - expected[answered_during % 3]).max() < 1e-5
+            answered_during += worker.is_alive()
+            if not worker.is_alive():
+                break
+        worker.join(60)
+    finally:
+        loaded.embedder.pass_tokens = saved
+    assert answered_during >= 1
+    got_big = np.array([d["embedding"] for d in big["data"]], dtype=np.float32)
+    assert np.abs(got_big - expected_big).max() < 1e-5
+    assert loaded.embedder.stats_json()["waiting_requests"] == 0
+
+
 def test_the_openai_sdk_base64_token_ids(server: RunningServer) -> None:
     client = openai.OpenAI(base_url=server.url, api_key="none")
     floats = client.embeddings.create(model="bert", input=TEXTS, encoding_format="float")

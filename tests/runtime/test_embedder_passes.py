@@ -112,6 +112,16 @@ def test_no_idle_line_when_a_pass_is_too_slow_to_time() -> None:
     assert idle_pass_cost(run, clock=lambda: clock[0]) is None
 
 
+def test_a_pass_is_never_budgeted_below_twice_its_fixed_cost() -> None:
+    """A model whose one-input pass outlasts pass_seconds (a large model on a CPU) still batches: a time budget
+    below twice the fixed cost would make every request "large" and every pass hold one input."""
+    e = embedder(pass_tokens=100_000)  # pass_seconds 0.01
+    e.cost = PassCost(idle=(0.05, 1e-4))
+    e.cost.add(100, 0.06)  # as the idle line says: no slowdown
+    assert 499 <= e.budget(e.pass_seconds) <= 500  # (2 × 0.05 - 0.05) / 1e-4
+    assert e.budget(1.0) == 9500  # a longer budget is what it says
+
+
 def test_with_an_idle_line_passes_under_load_only_scale_it() -> None:
     """Passes under load are slower by a factor: the overhead is not read as larger than the idle one's share."""
     cost = PassCost(weight=0.5, idle=(0.01, 0.001))

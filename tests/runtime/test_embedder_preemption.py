@@ -1,0 +1,124 @@
+"""Preemption between blocks: a one-sentence request that arrives during a large job's pass is served between two
+of that pass's blocks (real tiny models, real MLX; the test thread plays the device thread)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from runtime.block_hooks import after_each_block, model_blocks
+from runtime.embeddings import Embedder
+from runtime.tiny import ensure_tiny_model
+
+
+class _Device:
+    def add_stepper(self, stepper: Any) -> None:
+        pass
+
+    def remove_stepper(self, stepper: Any) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+
+def _load(name: str) -> tuple[Any, Any]:
+    from mlx_embeddings.utils import load
+
+    model, wrapper = load(str(ensure_tiny_model(name)))
+    return model, getattr(wrapper, "_tokenizer", wrapper)
+
+
+def _alone(model: Any, ids: list[int]) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.array(model(mx.array([ids]), attention_mask=mx.array([[1] * len(ids)])).text_embeds[0])
+
+
+@pytest.mark.parametrize("name, blocks", [("tiny-bert", "BertLayer"), ("tiny-qwen3-embedding", "Qwen3DecoderLayer"),
+                                          ("tiny-reranker", "ModernBertEncoderLayer")])
+def test_the_blocks_are_found_and_hooking_them_changes_no_output(name: str, blocks: str) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model, _ = _load(name)
+    found = model_blocks(model)
+    assert len(found) >= 2 and {type(b).__name__ for b in found} == {blocks}
+    ids, mask = mx.array([[5, 6, 7, 8]]), mx.array([[1, 1, 1, 0]])
+    before = np.array(model(ids, attention_mask=mask).pooler_output)
+    seen: list[Any] = []
+    assert after_each_block(model, seen.append) == len(found)
+    after = np.array(model(ids, attention_mask=mask).pooler_output)
+    assert len(seen) == len(found) and np.array_equal(before, after)
+    flat: Any = tree_flatten(model.parameters())
+    names = {k for k, _ in flat}
+    assert all(".block." not in k for k in names)  # the parameter tree is the checkpoint's
+    assert isinstance(found[0], type(found[0]).__mro__[1])
+
+
+class _ArrivingMidPass(Embedder):
+    """An embedder to whom a one-input request arrives after each block, while ``arriving`` lasts (``late``: the
+    last one's future)."""
+
+    arriving: list[list[int]] = []
+    late: Any = None
+
+    def _between_blocks(self, output: Any) -> None:
+        if self.arriving:
+            self.late = self.submit([self.arriving.pop()])
+        super()._between_blocks(output)
+
+
+def _embedder(model: Any, tokenizer: Any, pass_tokens: int) -> _ArrivingMidPass:
+    return _ArrivingMidPass(model, _Device(), int(tokenizer.pad_token_id or 0), 32,  # type: ignore[arg-type]
+                            pass_tokens=pass_tokens, pass_seconds=0.1)
+
+
+def test_a_request_arriving_during_a_large_jobs_pass_is_served_between_its_blocks() -> None:
+    model, tokenizer = _load("tiny-bert")
+    texts = [f"document number {i} about rivers and seas" for i in range(40)]
+    big_ids = [list(tokenizer(t)["input_ids"]) for t in texts]
+    short_ids = list(tokenizer("a short query")["input_ids"])
+    e = _embedder(model, tokenizer, pass_tokens=8 * max(map(len, big_ids)))  # the large job takes 5 passes
+    big = e.submit(big_ids)
+    e.arriving = [short_ids]
+    e.step()
+    assert e.late.done() and not big.done()  # served inside the large job's first pass
+    assert e.preemptions == 1 and e.passes == 2
+    assert np.abs(e.late.result()[0] - _alone(model, short_ids)).max() < 1e-5
+    while not big.done():
+        e.step()
+    expected = np.stack([_alone(model, ids) for ids in big_ids])
+    assert np.abs(big.result() - expected).max() < 1e-5  # the pass computed block by block: the same vectors
+
+
+def test_small_requests_wait_for_the_pass_under_way() -> None:
+    """Only a large job's passes are preempted: a pass of small requests (64 clients' sentences) is efficient
+    as a whole, and one arriving during it joins the next pass."""
+    model, tokenizer = _load("tiny-bert")
+    ids = [list(tokenizer(f"sentence {i}")["input_ids"]) for i in range(4)]
+    e = _embedder(model, tokenizer, pass_tokens=1000)
+    first = [e.submit([row]) for row in ids[:3]]
+    e.arriving = [ids[3]]
+    e.step()
+    assert all(f.done() for f in first) and not e.late.done() and e.preemptions == 0
+    e.step()
+    assert np.abs(e.late.result()[0] - _alone(model, ids[3])).max() < 1e-5
+
+
+def test_preemption_is_bounded_by_the_large_passs_own_time() -> None:
+    """A stream of small requests cannot take more of the device than the large pass they preempt: here that
+    pass is estimated at next to nothing, so one request is served between its blocks and the next waits."""
+    model, tokenizer = _load("tiny-bert")
+    big_ids = [list(tokenizer(f"document {i} about mountains")["input_ids"]) for i in range(40)]
+    e = _embedder(model, tokenizer, pass_tokens=8 * max(map(len, big_ids)))
+    e.pass_seconds = 1e-6  # the allowance: the larger of pass_seconds and the pass's estimate (none yet)
+    e.submit(big_ids)
+    e.arriving = [list(tokenizer(q)["input_ids"]) for q in ("second query", "first query")]
+    e.step()
+    assert e.preemptions == 1 and not e.late.done()  # the first served, the second waits for the pass's end
+    e.step()  # a short pass for it before the large job goes on
+    assert e.late.done() and e.preemptions == 1
