@@ -20,8 +20,8 @@ forward pass from the inputs waiting:
   large one). Other passes take inputs **round-robin across requests**, one from
   each in turn, the request served longest ago first.
 
-A pass holding a large job's inputs is computed block by block (:mod:`runtime.block_hooks`), and between two
-blocks the requests a short pass can finish that arrived meanwhile get that pass at once (*preemption*): a
+A pass holding a large job's inputs is computed block by block (its repeated blocks checkpointed, as a sliced
+job's are: :mod:`runtime.sliced_jobs`), and between two blocks the requests a short pass can finish that arrived meanwhile get that pass at once (*preemption*): a
 one-sentence query waits for one block of a 2,000-input job's pass, not for the whole pass. What such passes
 take is bounded by the large pass's own time, so the large job still gets half the device or more.
 
@@ -53,9 +53,9 @@ from typing import Any
 
 import numpy as np
 
-from runtime.block_hooks import after_each_block
 from runtime.device import DeviceThread, JobQueue
 from runtime.pass_cost import PassCost, idle_pass_cost
+from runtime.sliced_jobs import repeated_blocks, with_checkpoint
 from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, read_profile
 from runtime.models import ModelNotAvailable
 
@@ -157,7 +157,10 @@ class Embedder(JobQueue[_Job]):
         self.inputs = 0
         self.tokens = 0
         self.padded_tokens = 0
-        self.blocks = after_each_block(model, self._between_blocks)
+        blocks = repeated_blocks(model)
+        for block in blocks:
+            with_checkpoint(block, self._between_blocks, evaluate=lambda: self._preempting)
+        self.blocks = len(blocks)
         device.add_stepper(self)
 
     def submit(self, inputs: list[list[int]]) -> concurrent.futures.Future[np.ndarray]:
@@ -288,14 +291,12 @@ class Embedder(JobQueue[_Job]):
         for group in length_groups([len(job.inputs[i]) for job, i in chosen], *self.cost.fit()):
             self._forward(chosen[group])
 
-    def _between_blocks(self, output: Any) -> None:
-        """After each block of a pass: while a large job's pass is under way, compute it this far and give the
-        requests a short pass can finish — arrived since it began — that pass now."""
+    def _between_blocks(self) -> None:
+        """Before each block of a pass (the blocks before it computed already, see :func:`with_checkpoint`): while
+        a large job's pass is under way, give the requests a short pass can finish — arrived since it began —
+        that pass now."""
         if not self._preempting or self._preemption_allowance <= 0:
             return
-        import mlx.core as mx
-
-        mx.eval(output)  # the pass so far: MLX computes lazily, and would otherwise compute it all at the end
         with self._lock:
             budget = self.budget(self.pass_seconds)
             ring = [job for job in self._jobs if job.order and not job.future.cancelled() and not _large(job, budget)]

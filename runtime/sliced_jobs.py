@@ -223,22 +223,46 @@ async def wait_reporting(start: Callable[[Callable[[P], None]], concurrent.futur
             send.close()  # reports made before the result came first: run_sync_soon keeps their order
 
 
-def with_checkpoint(module: Any, checkpoint: Callable[[], None], evaluate: bool = False) -> None:
+def with_checkpoint(module: Any, checkpoint: Callable[[], None], evaluate: bool | Callable[[], bool] = False) -> None:
     """Make every call of ``module`` (an mlx ``nn.Module``) pass ``checkpoint`` first: its class is swapped for
-    a subclass of it (this one instance only). ``evaluate``: compute its output at once (MLX is lazy: without
-    it, a chain of such modules is computed in one piece at the end, which no checkpoint can divide)."""
+    a subclass of it (this one instance only; the parameter tree stays the checkpoint's). ``evaluate`` (or, when
+    a function, whenever it says so): compute its output at once (MLX is lazy: without it, a chain of such
+    modules is computed in one piece at the end, which no checkpoint can divide)."""
     base = type(module)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         checkpoint()
         out = base.__call__(self, *args, **kwargs)
-        if evaluate:
+        if evaluate is True or (callable(evaluate) and evaluate()):
             import mlx.core as mx
 
             mx.eval(out[0] if isinstance(out, tuple) else out)
         return out
 
     module.__class__ = type(f"Checkpointed{base.__name__}", (base,), {"__call__": __call__})
+
+
+def repeated_blocks(model: Any) -> list[Any]:
+    """A model's repeated blocks: its longest list of modules, however deep (a BERT encoder's ``encoder.layer``,
+    a decoder's ``model.layers``); none if it has no list of two or more."""
+    from mlx.nn.layers.base import Module
+
+    best: list[Any] = []
+
+    def walk(value: Any) -> None:
+        nonlocal best
+        if isinstance(value, Module):
+            for child in value.values():  # its parameters and sub-modules
+                walk(child)
+        elif isinstance(value, (list, tuple, dict)):
+            items = list(value.values() if isinstance(value, dict) else value)
+            if isinstance(value, list) and len(items) > max(1, len(best)) and all(isinstance(i, Module) for i in items):
+                best = items
+            for item in items:
+                walk(item)
+
+    walk(model)
+    return best
 
 
 def checkpoint_children(module: Any, checkpoint: Callable[[], None], depth: int) -> None:

@@ -1,6 +1,6 @@
 """Benchmark: embeddings under concurrency — flow against direct mlx-embeddings calls.
 
-    python scripts/bench_embeddings.py --model DIR_OR_tiny:PRESET [--clients 64] [--requests 8]
+    python scripts/bench_embeddings.py --model DIR_OR_tiny:PRESET [--clients 64] [--requests 32]
 
 A real ``flow serve`` (subprocess; the default graph with the embedding model added) and, in this process
 before the server starts, the two baselines on the same sentences:
@@ -10,9 +10,13 @@ before the server starts, the two baselines on the same sentences:
 * **batched**: direct calls of 64 inputs each (the ceiling);
 * **batched, as flow runs the model**: the same, after flow's load-time changes (on the CPU, a faster GELU).
 
+The baselines are each the best of three runs (the ceilings they stand for; on a shared machine a run can be
+slowed, never sped up).
+
 Runs: ``--clients`` concurrent clients each sending ``--requests`` requests of one short sentence (inputs/s,
 p50/p95 latency); then one client embedding 2,048 sentences in one request while another sends one short
-sentence at a time (its p50/p95 against the same client on the idle server).
+sentence at a time (its p50/p95 against the same client on the idle server). The large job's client runs in a
+process of its own: reading its 2,048 vectors in this process would hold the one-sentence client's thread.
 Real weights: ``python ../shared/tools/fetch_real_models.py DIR --models all-minilm-l6-v2``.
 """
 
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import functools
 import json
+import multiprocessing
 import os
 import signal
 import socket
@@ -76,14 +82,18 @@ def direct(path: Path, texts: list[str]) -> dict[str, float]:
 
     def rate(size: int, count: int) -> float:
         run(texts[:size])  # warm-up
-        started = time.perf_counter()
-        for i in range(0, count, size):
-            run(texts[i:i + size])
-        return count / (time.perf_counter() - started)
+        best = 0.0
+        for _ in range(3):
+            started = time.perf_counter()
+            for i in range(0, count, size):
+                run(texts[i:i + size])
+            best = max(best, count / (time.perf_counter() - started))
+        return best
 
-    naive, batched = rate(1, min(len(texts), 256)), rate(64, len(texts))
+    naive, batched = rate(1, min(len(texts), 256)), rate(64, min(len(texts), 1024))
     swapped = use_fast_gelu(model)
-    return {"naive": naive, "batched": batched, "batched_flow": rate(64, len(texts)) if swapped else batched}
+    return {"naive": naive, "batched": batched,
+            "batched_flow": rate(64, min(len(texts), 1024)) if swapped else batched}
 
 
 def free_port() -> int:
@@ -146,7 +156,7 @@ class LeanConnection:
             self.streams[1].close()
 
 
-def concurrent(base: str, texts: list[str], clients: int, requests: int, client_kind: str) -> dict[str, float]:
+def concurrent_clients(base: str, texts: list[str], clients: int, requests: int, client_kind: str) -> dict[str, float]:
     """``clients`` concurrent clients, each sending ``requests`` one-sentence requests one after another. The
     clients are coroutines of one event loop: they share the machine's two cores with the server, so they
     should cost as little as a client can (``client_kind`` "lean", see :class:`LeanConnection`; "httpx" for
@@ -201,11 +211,19 @@ def short_latencies(base: str, texts: list[str], stop: threading.Event, limit: i
     return out
 
 
+def large_job(base: str, texts: list[str]) -> tuple[int, float]:
+    """One request embedding all ``texts`` (run in a process of its own): its status and seconds."""
+    started = time.perf_counter()
+    status = httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts}, timeout=600).status_code
+    return status, time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny:tiny-bert")
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=32,
+                        help="requests per client, one after another (more: closer to the steady state)")
     parser.add_argument("--pass-seconds", type=float, default=0.1, help="the model's embed_pass_seconds")
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
                         help="the concurrent clients' HTTP: a minimal keep-alive client, or httpx's AsyncClient")
@@ -222,18 +240,18 @@ def main() -> None:
     proc, base = start_server(path, data, args.pass_seconds)
     try:
         httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[:64]}, timeout=300)  # warm-up
-        load = concurrent(base, texts, args.clients, args.requests, args.client)
+        load = concurrent_clients(base, texts, args.clients, args.requests, args.client)
         idle = short_latencies(base, texts, threading.Event(), 50)
         stop = threading.Event()
         during: list[float] = []
-        worker = threading.Thread(target=lambda: during.extend(
-            short_latencies(base, texts, stop, 10**6, args.short_interval)))
-        worker.start()
-        started = time.perf_counter()
-        big = httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts}, timeout=600)
-        big_seconds = time.perf_counter() - started
-        stop.set()
-        worker.join()
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pool.submit(time.sleep, 0).result()  # the process started before the clock does
+            worker = threading.Thread(target=lambda: during.extend(
+                short_latencies(base, texts, stop, 10**6, args.short_interval)))
+            worker.start()
+            big_status, big_seconds = pool.submit(large_job, base, texts).result()
+            stop.set()
+            worker.join()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -246,7 +264,7 @@ def main() -> None:
           f"{load['inputs_per_s'] / baseline['batched']:.2f}")
     print(f"  batched 64, the model as flow runs it  {baseline['batched_flow']:8.1f} inputs/s   -> flow / that = "
           f"{load['inputs_per_s'] / baseline['batched_flow']:.2f}")
-    print(f"one request of 2,048 sentences: {big.status_code}, {big_seconds:.2f} s ({2048 / big_seconds:.1f} inputs/s)")
+    print(f"one request of 2,048 sentences: {big_status}, {big_seconds:.2f} s ({2048 / big_seconds:.1f} inputs/s)")
     print(f"  a one-sentence client meanwhile ({args.short_interval:g} s between requests): {len(during)} requests, p50 {percentile(during, 50):.1f} ms, "
           f"p95 {percentile(during, 95):.1f} ms; idle p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms"
           f" -> p95 ratio {percentile(during, 95) / percentile(idle, 95):.2f}")

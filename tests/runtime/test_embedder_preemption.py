@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime.block_hooks import after_each_block, model_blocks
 from runtime.embeddings import Embedder
+from runtime.sliced_jobs import repeated_blocks, with_checkpoint
 from runtime.tiny import ensure_tiny_model
 
 
@@ -38,38 +38,44 @@ def _alone(model: Any, ids: list[int]) -> np.ndarray:
     return np.array(model(mx.array([ids]), attention_mask=mx.array([[1] * len(ids)])).text_embeds[0])
 
 
-@pytest.mark.parametrize("name, blocks", [("tiny-bert", "BertLayer"), ("tiny-qwen3-embedding", "Qwen3DecoderLayer"),
-                                          ("tiny-reranker", "ModernBertEncoderLayer")])
-def test_the_blocks_are_found_and_hooking_them_changes_no_output(name: str, blocks: str) -> None:
-    import mlx.core as mx
+def _parameter_names(model: Any) -> set[str]:
     from mlx.utils import tree_flatten
 
+    flat: Any = tree_flatten(model.parameters())
+    return {name for name, _ in flat}
+
+
+@pytest.mark.parametrize("name, blocks", [("tiny-bert", "BertLayer"), ("tiny-qwen3-embedding", "Qwen3DecoderLayer"),
+                                          ("tiny-reranker", "ModernBertEncoderLayer")])
+def test_the_blocks_are_found_and_checkpointing_them_changes_no_output(name: str, blocks: str) -> None:
+    import mlx.core as mx
+
     model, _ = _load(name)
-    found = model_blocks(model)
+    found = repeated_blocks(model)
     assert len(found) >= 2 and {type(b).__name__ for b in found} == {blocks}
     ids, mask = mx.array([[5, 6, 7, 8]]), mx.array([[1, 1, 1, 0]])
     before = np.array(model(ids, attention_mask=mask).pooler_output)
-    seen: list[Any] = []
-    assert after_each_block(model, seen.append) == len(found)
+    names_before = _parameter_names(model)
+    passed: list[int] = []
+    for block in found:
+        with_checkpoint(block, lambda: passed.append(1), evaluate=lambda: True)
     after = np.array(model(ids, attention_mask=mask).pooler_output)
-    assert len(seen) == len(found) and np.array_equal(before, after)
-    flat: Any = tree_flatten(model.parameters())
-    names = {k for k, _ in flat}
-    assert all(".block." not in k for k in names)  # the parameter tree is the checkpoint's
-    assert isinstance(found[0], type(found[0]).__mro__[1])
+    assert len(passed) == len(found) and np.array_equal(before, after)
+    assert _parameter_names(model) == names_before
+    assert all(type(b).__name__ == f"Checkpointed{blocks}" for b in found)
 
 
 class _ArrivingMidPass(Embedder):
-    """An embedder to whom a one-input request arrives after each block, while ``arriving`` lasts (``late``: the
+    """An embedder to whom a one-input request arrives before each block, while ``arriving`` lasts (``late``: the
     last one's future)."""
 
     arriving: list[list[int]] = []
     late: Any = None
 
-    def _between_blocks(self, output: Any) -> None:
+    def _between_blocks(self) -> None:
         if self.arriving:
             self.late = self.submit([self.arriving.pop()])
-        super()._between_blocks(output)
+        super()._between_blocks()
 
 
 def _embedder(model: Any, tokenizer: Any, pass_tokens: int) -> _ArrivingMidPass:
