@@ -3,7 +3,6 @@ of that pass's blocks (real tiny models, real MLX; the test thread plays the dev
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,17 +11,7 @@ import pytest
 from runtime.embeddings import Embedder
 from runtime.sliced_jobs import repeated_blocks, with_checkpoint
 from runtime.tiny import ensure_tiny_model
-
-
-class _Device:
-    def add_stepper(self, stepper: Any) -> None:
-        pass
-
-    def remove_stepper(self, stepper: Any) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
+from tests.runtime.test_embedder_passes import _Device
 
 
 def _load(name: str) -> tuple[Any, Any]:
