@@ -21,9 +21,10 @@ forward pass from the inputs waiting:
   each in turn, the request served longest ago first.
 
 A pass holding a large job's inputs is computed block by block (its repeated blocks checkpointed, as a sliced
-job's are: :mod:`runtime.sliced_jobs`), and between two blocks the requests a short pass can finish that arrived meanwhile get that pass at once (*preemption*): a
-one-sentence query waits for one block of a 2,000-input job's pass, not for the whole pass. What such passes
-take is bounded by the large pass's own time, so the large job still gets half the device or more.
+job's are: :mod:`runtime.sliced_jobs`), and between two blocks the waiting requests a short pass can finish get
+that pass at once (*preemption*): a one-sentence query waits for one block of a 2,000-input job's pass, not
+for the whole pass. What such passes take is bounded by the large pass's own time, so the large job still gets
+half the device or more. (The model holds the embedder through its checkpoints: unloading drops ``model``.)
 
 A request's inputs are queued shortest first, so its passes waste little padding; and a pass's inputs are
 split into forward passes of similar lengths where one more pass's fixed cost (measured at load on the idle
@@ -293,8 +294,8 @@ class Embedder(JobQueue[_Job]):
 
     def _between_blocks(self) -> None:
         """Before each block of a pass (the blocks before it computed already, see :func:`with_checkpoint`): while
-        a large job's pass is under way, give the requests a short pass can finish — arrived since it began —
-        that pass now."""
+        a large job's pass is under way, give the waiting requests a short pass can finish — the one-sentence
+        requests that arrived during it — that pass now."""
         if not self._preempting or self._preemption_allowance <= 0:
             return
         with self._lock:

@@ -15,8 +15,9 @@ slowed, never sped up).
 
 Runs: ``--clients`` concurrent clients each sending ``--requests`` requests of one short sentence (inputs/s,
 p50/p95 latency); then one client embedding 2,048 sentences in one request, alone, and again while another
-sends one short sentence at a time (its p50/p95 against the same client on the idle server). The large job's client runs in a
-process of its own: reading its 2,048 vectors in this process would hold the one-sentence client's thread.
+sends one short sentence at a time (its p50/p95 against the same client on the idle server). The large job's
+client runs in a process of its own: reading its 2,048 vectors in this process would hold the one-sentence
+client's thread.
 Real weights: ``python ../shared/tools/fetch_real_models.py DIR --models all-minilm-l6-v2``.
 """
 
@@ -267,7 +268,8 @@ def main() -> None:
           f"{load['inputs_per_s'] / baseline['batched_flow']:.2f}")
     print(f"one request of 2,048 sentences alone: {alone_status}, {alone_seconds:.2f} s "
           f"({2048 / alone_seconds:.1f} inputs/s)")
-    print(f"the same beside a one-sentence client: {big_status}, {big_seconds:.2f} s ({2048 / big_seconds:.1f} inputs/s)")
+    print(f"the same beside a one-sentence client: {big_status}, {big_seconds:.2f} s "
+          f"({2048 / big_seconds:.1f} inputs/s)")
     print(f"  a one-sentence client meanwhile ({args.short_interval:g} s between requests): {len(during)} requests, p50 {percentile(during, 50):.1f} ms, "
           f"p95 {percentile(during, 95):.1f} ms; idle p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms"
           f" -> p95 ratio {percentile(during, 95) / percentile(idle, 95):.2f}")
