@@ -1,5 +1,5 @@
 """Vision models through the real server and real mlx-vlm: greedy output equals ``mlx_vlm.stream_generate`` on the
-same image and prompt in every protocol, streaming and not, alone and beside 8 text streams; the prefix cache
+same image and prompt (the model as the server runs it: flow's GELU on the CPU) in every protocol, streaming and not, alone and beside 8 text streams; the prefix cache
 keys image spans by their pixels (a next turn reads the image from the cache, swapped or changed images never
 match) and the feature cache lets a repeated image skip the vision tower, without changing the output; every
 image limit and bad input is a 400 in the protocol's shape."""
@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from flow.compiler import compile_tables
+from runtime.cpu_activations import use_fast_gelu
 from runtime.tiny import ensure_tiny_model
 from tests.harness import RunningServer, running_server, tables_with_model
 
@@ -203,6 +204,7 @@ def vision(request: pytest.FixtureRequest) -> Iterator[Vision]:
 
     path: Path = ensure_tiny_model(request.param)
     model, processor = load(str(path))
+    use_fast_gelu(model)  # as the server runs it: on the CPU, flow's GELU (its accuracy: test_cpu_activations)
     references = {name: reference(model, processor, conversation) for name, conversation in
                   {"one": ONE, "repeated": REPEATED, "two": TWO, "swapped": SWAPPED, "changed": CHANGED,
                    "text_first": TEXT_FIRST}.items()}

@@ -50,3 +50,23 @@ def test_a_bert_encoders_gelus_are_swapped_on_the_cpu_only() -> None:
     assert not any(type(m) is GELU for _, m in model.named_modules())
     assert sum(isinstance(m, FastGELU) for _, m in model.named_modules()) == gelus
     assert np.abs(vectors() - before).max() < 1e-6
+
+
+def test_a_vision_towers_gelus_are_swapped_and_its_features_barely_move() -> None:
+    """SigLIP-style towers (SmolVLM, Gemma 3) use nn.GELU modules: on the CPU flow's replace them."""
+    from mlx_vlm.utils import load
+
+    vlm, _ = load(str(ensure_tiny_model("bench-vlm")))
+    tower = vlm.vision_tower
+    size = vlm.config.vision_config.image_size
+    pixels = mx.random.normal((1, size, size, 3), key=mx.random.key(0))
+
+    def features() -> np.ndarray:
+        out = tower(pixels)
+        return np.array(out[0] if isinstance(out, tuple) else out)
+
+    before = features()
+    assert use_fast_gelu(vlm, mx.Device(mx.cpu)) > 0
+    assert not any(type(m) is GELU for _, m in vlm.named_modules())
+    after = features()
+    assert np.abs(after - before).max() < 1e-4 * max(1.0, float(np.abs(before).max()))
