@@ -140,9 +140,9 @@ class ModelConfig(ResourceConfig):
         default=8192, ge=64, description="embedding models: padded tokens per forward pass (inputs of concurrent "
                                          "requests share passes up to this)")
     embed_pass_seconds: float = Field(
-        default=0.1, gt=0, description="embedding models: a pass holds no more padded tokens than the device "
-                                       "computes in this time (measured), so a small request behind a large job "
-                                       "waits for a short pass")
+        default=0.1, gt=0, description="embedding models: while others ask, a large job's pass holds no more "
+                                       "padded tokens than the device computes in this time (measured); a small "
+                                       "request arriving during it is served between two of its layers")
     dimensions: list[int] = Field(
         default_factory=list, description="embedding models: the Matryoshka sizes the model was trained to be cut "
                                           "to (default: from its config.json, model card or series)")
