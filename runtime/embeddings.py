@@ -191,7 +191,8 @@ class Embedder(JobQueue[_Job]):
             if not self._contended(ring):
                 return self._take(ring, solo)  # nobody waits behind this pass: make it efficient
             budget = self.budget(self.pass_seconds)
-            # (a large job's last inputs fit a solo pass, but an interactive client would wait for its blocks)
+            # not one solo pass because all that waits fits in one: a large job's last inputs would make a pass
+            # of up to SOLO_PASS_SECONDS, and a newcomer would wait for one of its (long) blocks
             if not any(_padded(job) > budget for job in ring):
                 return self._take(ring, solo)  # many small requests and no large job: short passes would only slow all
             if not self._last_pass_finishing:
@@ -276,7 +277,7 @@ class Embedder(JobQueue[_Job]):
         if not chosen:
             return
         budget = self.budget(self.pass_seconds)
-        if self.blocks > 1 and any(_large(job, budget) for job in {id(job): job for job, _ in chosen}.values()):
+        if self.blocks > 1 and any(_large(job, budget) for job, _ in chosen):
             overhead, per_token = self.cost.fit()
             padded = max(len(job.inputs[i]) for job, i in chosen) * len(chosen)
             self._preemption_allowance = max(self.pass_seconds, overhead + per_token * padded)

@@ -247,8 +247,8 @@ def unbatchable(config: dict[str, Any]) -> str | None:
 def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, feature_slots: int = 32,
                       lazy: bool = False) -> tuple[VisionLanguageModel, Any]:
     """The model and its processor (on the device thread; ``lazy``: the weights are read when first evaluated),
-    with flow's GELU on the CPU (:mod:`runtime.cpu_activations`). The vision tower's layers become checkpoints of a sliced worker that gets ``share`` of the device while
-    streams decode."""
+    with flow's GELU on the CPU (:mod:`runtime.cpu_activations`). The vision tower's layers become checkpoints
+    of a sliced worker that gets ``share`` of the device while streams decode."""
     from mlx_vlm.utils import load
 
     unsupported = unbatchable(json.loads((path / "config.json").read_text()))
