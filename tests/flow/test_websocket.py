@@ -71,7 +71,7 @@ def test_errors_are_events_and_the_connection_stays_open(qwen3_server: RunningSe
         connection.send("not json")
         assert json.loads(connection.recv(timeout=30))["status"] == 400
         connection.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi",
-                                    "max_output_tokens": 3}))
+                                    "max_output_tokens": 3, "temperature": 0}))
         assert events_until_done(connection)[-1]["type"] == "response.incomplete"
 
 
@@ -115,5 +115,6 @@ def test_the_api_key_guards_the_upgrade(keyed_server: RunningServer) -> None:
             pass
     assert refused.value.response.status_code == 401
     with connect(ws_url(keyed_server), additional_headers={"Authorization": "Bearer sesame"}) as connection:
-        connection.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi", "max_output_tokens": 2}))
+        connection.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi", "max_output_tokens": 2,
+                                    "temperature": 0}))
         assert events_until_done(connection)[-1]["type"] == "response.incomplete"
