@@ -28,8 +28,8 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
-def _describe(error: Any) -> str:
-    path = field_path(tuple(p for p in error["loc"] if not _is_union_tag(p)))
+def _describe(error: Any, tags: frozenset[str]) -> str:
+    path = _client_path(error["loc"], tags)
     kind = error["type"]
     if kind == "missing":
         return f"'{path}' is required"
@@ -38,10 +38,25 @@ def _describe(error: Any) -> str:
     return f"'{path}': {error['msg']} (got {shown})"
 
 
-def _is_union_tag(part: int | str) -> bool:
-    # pydantic inserts the union member's name ("str", "list[...]", "function-after[...]")
-    # into the location; it means nothing to a client.
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+def _model_names() -> frozenset[str]:
+    """The class names of the pydantic models defined so far (a union member's tag, see :func:`_client_path`)."""
+    seen: set[type] = set()
+    stack: list[type] = [BaseModel]
+    while stack:
+        subclasses: list[type] = stack.pop().__subclasses__()
+        for sub in subclasses:
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+    return frozenset(cls.__name__ for cls in seen)
+
+
+def _client_path(loc: tuple[int | str, ...], tags: frozenset[str]) -> str:
+    """An error location as the client's field path. pydantic inserts the name of the union member it tried
+    ("str", "list[...]", "function-after[...]", a model class such as "_Document") into the location; it means
+    nothing to a client."""
+    return field_path(tuple(p for p in loc if not (
+        isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool", "list", "dict") or p in tags))))
 
 
 def _jsonable(value: Any) -> bool:
@@ -52,13 +67,13 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-def _most_specific(errors: list[Any]) -> list[Any]:
+def _most_specific(errors: list[Any], tags: frozenset[str]) -> list[Any]:
     """Drop a union's shallow complaints when a branch got further.
 
     For ``content: str | list[Block]`` given a list with one bad block, pydantic
     reports both "not a string" at ``content`` and the real problem at
     ``content[0].id``; only the latter helps the client."""
-    paths = [field_path(tuple(p for p in e["loc"] if not _is_union_tag(p))) for e in errors]
+    paths = [_client_path(e["loc"], tags) for e in errors]
     kept = [e for e, path in zip(errors, paths)
             if not any(other != path and other.startswith((path + ".", path + "[")) for other in paths)]
     return kept or errors
@@ -161,10 +176,10 @@ def parse_json_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        errors = _most_specific(exc.errors())
-        first = errors[0]
-        param = field_path(tuple(p for p in first["loc"] if not _is_union_tag(p))) or None
-        message = "; ".join(_describe(e) for e in errors[:3])
+        tags = _model_names()
+        errors = _most_specific(exc.errors(), tags)
+        param = _client_path(errors[0]["loc"], tags) or None
+        message = "; ".join(_describe(e, tags) for e in errors[:3])
         if len(errors) > 3:
             message += f" (and {len(errors) - 3} more)"
         raise ApiError("invalid_request", message, param=param) from None
