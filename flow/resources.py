@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
@@ -728,9 +728,12 @@ class ModelSet:
             found = next((m for pattern, m in self._patterns if fnmatch.fnmatchcase(model_id, pattern)), None)
         return found
 
-    def lookup(self, model_id: str, kind: ModelKind | tuple[ModelKind, ...] = CHAT_KINDS) -> ModelResource:
+    def lookup(self, model_id: str, kind: ModelKind | tuple[ModelKind, ...] = CHAT_KINDS, *,
+               serves: Callable[[ModelResource], bool] | None = None, what: str | None = None) -> ModelResource:
         """The model ``model_id`` names, which must be of ``kind`` (one of them; chat: text or vision models; a
-        model whose kind is not known yet — a lazy one from the hub — is checked when it loads)."""
+        model whose kind is not known yet — a lazy one from the hub — is checked when it loads). A model of
+        another kind is a 400 naming the request (``what``, else the kind) and the models that can serve it:
+        those of ``kind`` for which ``serves`` holds (an audio model speaks or transcribes)."""
         kinds = kind if isinstance(kind, tuple) else (kind,)
         found = self.find(model_id)
         if found is None:
@@ -742,8 +745,8 @@ class ModelSet:
                 code="model_not_found",
             )
         if found.kind is not None and found.kind not in kinds:
-            able = sorted({i for k in kinds for i in self.able(k)})
-            what = "chat" if kinds == CHAT_KINDS else kinds[0]
+            able = sorted({i for k in kinds for i in self.able(k) if serves is None or serves(self._by_id[i])})
+            what = what or ("chat" if kinds == CHAT_KINDS else kinds[0])
             raise ApiError("invalid_request", f"The model {model_id!r} is {_article(found.kind)} {found.kind} model "
                            f"and cannot serve this {what} request. Models that can: "
                            f"{', '.join(able) or '(none on this server)'}.", param="model", code="wrong_model_kind")

@@ -47,17 +47,19 @@ class AudioModelStage(Stage[In, Out]):
     async def audio_model(self, model_id: str) -> tuple[ModelResource, LoadedAudio]:
         """The audio model a request names, loaded; a 400 naming the models that can serve it if it is of
         another kind or cannot do this."""
-        resource = self.models.lookup(model_id, kind="audio")
+        kind, able = CAPABILITY_LABELS[self.capability]
+        resource = self.models.lookup(model_id, kind="audio", what=kind, serves=self._may_serve)
         loaded = await resource.ensure_audio()
         if self.capability not in loaded.capabilities:
-            kind, able = CAPABILITY_LABELS[self.capability]
-            can = sorted(m.name for m in self.models.all()
-                         if m.audio is not None and self.capability in m.audio.capabilities)
+            can = sorted(m.name for m in self.models.all() if m.audio is not None and self._may_serve(m))
             raise ApiError("invalid_request", f"The model {resource.name!r} is not a {kind} model: it cannot "
                            f"{able}. Models that can: {', '.join(can) or '(none loaded on this server)'}.",
                            param="model", code="wrong_model_kind")
         return resource, loaded
 
+    def _may_serve(self, model: ModelResource) -> bool:
+        """Whether an audio model has this stage's capability, or may have it (not loaded yet: not known)."""
+        return model.audio is None or self.capability in model.audio.capabilities
 
 
 class VoicesList(EndpointStage):

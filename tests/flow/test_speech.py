@@ -174,6 +174,8 @@ def test_bad_speech_requests_are_400s_and_the_server_keeps_serving(server: Runni
     assert wrong_kind["code"] == "wrong_model_kind" and "Models that can: speaker" in wrong_kind["message"]
     chat_model = openai_error(speak(model="tiny"))
     assert chat_model["code"] == "wrong_model_kind"
+    # only the models that speak are named: the Whisper model is an audio model too, but cannot
+    assert chat_model["message"].endswith("cannot serve this text-to-speech request. Models that can: speaker, tts-1.")
     upload = httpx.post(f"{server.url}/audio/transcriptions", files={"file": ("a.wav", b"RIFF")},
                         data={"model": "speaker"}, timeout=60)
     assert "cannot transcribe speech. Models that can: whisper" in openai_error(upload)["message"]
