@@ -20,6 +20,7 @@ weak model cannot loop on spaces.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -120,7 +121,10 @@ def _compile(grammar: Grammar) -> str:
 
 
 def _explain(error: str) -> str:
-    return error.strip().splitlines()[0] if error.strip() else "the grammar cannot be compiled"
+    """llguidance's first line, without its position in the grammar text ("at 2(7): "): flow wrote that text,
+    the client did not."""
+    first = error.strip().splitlines()[0] if error.strip() else "the grammar cannot be compiled"
+    return re.sub(r"^at \d+\(\d+\): ", "", first)
 
 
 @dataclass(frozen=True)

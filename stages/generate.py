@@ -77,8 +77,12 @@ async def output_constraint(prompt: PreparedPrompt, loaded: LoadedModel, family:
         except GrammarError as exc:
             if i + 1 < len(grammars):
                 continue  # the next way of writing the same format
-            param = "tool_choice" if grammar.kind == "lark" else "response_format"
-            raise ApiError("invalid_request", f"The {param} cannot be enforced: {exc}.", param=param) from None
+            if grammar.kind == "lark":  # flow writes the call grammar: what fails in it is a tool's schema
+                raise ApiError("invalid_request", f"The tool_choice cannot be enforced: the forced tool's "
+                               f"'parameters' is not a JSON Schema that can be compiled ({exc}).",
+                               param="tool_choice") from None
+            raise ApiError("invalid_request", f"The response_format cannot be enforced: {exc}.",
+                           param="response_format") from None
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 from typing import Any, Literal
 
 import anthropic
@@ -183,6 +184,16 @@ def test_schemas_that_cannot_be_enforced_are_a_400(qwen3_server: RunningServer) 
         **NO_THINKING})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
     assert "bogus" in answer.json()["error"]["message"]
+    # a property whose schema is a list (found by the fuzzer): the message names the tool's parameters, not a
+    # position in the call grammar flow wrote
+    listed = {"type": "function", "function": {"name": "g", "parameters": obj({"d": [{"type": "string"}]})}}
+    answer = httpx.post(qwen3_server.url + "/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 4, "tools": [listed],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}, **NO_THINKING})
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "'parameters' is not a JSON Schema" in message and "schema must be an object or boolean" in message
+    assert not re.search(r"at \d+\(\d+\)", message), message
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
