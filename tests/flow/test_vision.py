@@ -1,8 +1,9 @@
 """Vision models through the real server and real mlx-vlm: greedy output equals ``mlx_vlm.stream_generate`` on the
 same image and prompt (the model as the server runs it: flow's GELU on the CPU) in every protocol, streaming and
-not, alone and beside 8 text streams; the prefix cache keys image spans by their pixels (a next turn reads the image from the cache, swapped or changed images never
-match) and the feature cache lets a repeated image skip the vision tower, without changing the output; every
-image limit and bad input is a 400 in the protocol's shape."""
+not, alone and beside 8 text streams; the prefix cache keys image spans by their pixels (a next turn reads the
+image from the cache, swapped or changed images never match) and the feature cache lets a repeated image skip
+the vision tower, without changing the output; every image limit and bad input is a 400 in the protocol's
+shape."""
 
 from __future__ import annotations
 

@@ -7,10 +7,11 @@ the long one.
 Theory of operation
 -------------------
 :class:`FlowProcess` starts ``python -m flow.cli serve GRAPH --port P`` as a child
-process, with a graph that extends ``graphs/default.toml`` and serves a tiny local
-model, and a private ``FLOW_DATA_DIR``. A separate process is the point: a segfault
-or an abort in MLX kills it, and the next liveness check sees that, where an embedded
-server would take the test run down with it.
+process, with a graph that extends ``graphs/default.toml`` and serves tiny local
+models (a chat model, an embedding model, a text-to-speech model), and a private
+``FLOW_DATA_DIR``. A separate process is the point: a segfault or an abort in MLX
+kills it, and the next liveness check sees that, where an embedded server would take
+the test run down with it.
 
 :func:`run_case` sends a case's prelude and then its request, reads the whole answer
 (streams to their end), and returns a :class:`Verdict` listing every
@@ -71,7 +72,7 @@ READ_LIMIT = 64 * 1024 * 1024
 
 
 def fuzz_graph(model_path: Path | str, default_max_tokens: int = 8) -> str:
-    return f"""# Written by tests/fuzz: the default graph on a tiny model, small answers, a small body cap.
+    return f"""# Written by tests/fuzz: the default graph on tiny models, small answers, a small body cap.
 extends = {json.dumps(str(REPO / "graphs" / "default.toml"))}
 
 [server]
@@ -83,6 +84,18 @@ name = "tiny"
 aliases = ["default"]
 default_max_tokens = {default_max_tokens}
 max_batch = 8
+
+# the other kinds' JSON endpoints: embeddings and rerank, speech (small answers: 16 audio tokens a sentence)
+[resources.embedder]
+type = "model"
+path = "tiny:tiny-bert"
+name = "embedder"
+
+[resources.speaker]
+type = "model"
+path = "tiny:tiny-soprano"
+name = "speaker"
+speech_max_tokens = 16
 
 [resources.prefix_cache]
 hot_bytes = 67108864
@@ -593,6 +606,9 @@ def _judge(verdict: Verdict, headers: httpx.Headers, server: Server) -> None:
         stream = stream_problem(case.grammar, answer)
         if stream:
             failures.append(Failure(stream[0], route, stream[1]))
+    elif headers.get("content-type", "").startswith("audio/"):
+        if not answer:
+            failures.append(Failure("body", route, f"{status} audio answer is empty"))
     elif case.request.method not in ("HEAD", "OPTIONS"):
         try:
             json.loads(answer)

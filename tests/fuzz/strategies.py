@@ -57,16 +57,23 @@ class Target:
 
     models: tuple[str, ...] = ("default", "tiny")
     vocab: int = 1024  # the tiny models'
+    embedder: str = "embedder"  # an embedding model (embeddings, rerank)
+    speaker: str = "speaker"  # a text-to-speech model
     loopback: bool = True  # listening on a loopback address: other Host/Origin headers are refused
 
 
 TARGET = Target()
 
 
-def configure(models: tuple[str, ...] | None = None, vocab: int | None = None, loopback: bool | None = None) -> None:
+def configure(models: tuple[str, ...] | None = None, vocab: int | None = None, loopback: bool | None = None,
+              embedder: str | None = None, speaker: str | None = None) -> None:
     """Point the strategies at another server's models (call before drawing anything)."""
     if models:
         TARGET.models = tuple(models)
+    if embedder:
+        TARGET.embedder = embedder
+    if speaker:
+        TARGET.speaker = speaker
     if vocab:
         TARGET.vocab = vocab
     if loopback is not None:
@@ -631,6 +638,7 @@ def odd_string(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     return set_at(body, where, value), f"odd string: {show_path(where)} = {shown}", "any"
 
 
+SCHEMA_KEYS = {"parameters", "input_schema", "schema", "json_schema", "properties"}  # JSON Schemas hang below these
 TEXT_KEYS = {"content", "text", "input", "prompt", "system", "instructions", "description", "arguments", "output",
              "thinking", "system_prompt", "reasoning_content", "summary", "stop", "stop_sequences"}
 
@@ -655,8 +663,10 @@ def unknown_field(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     where = draw(st.sampled_from(_dict_paths(body)))
     key = "x_" + draw(names)
     # Unknown fields are tolerated (Anthropic: never rejected); agents' own bodies forbid them, which
-    # the judge learns from their models.
-    return set_at(body, (*where, key), draw(json_values)), f"unknown field: {show_path((*where, key))}", "accept"
+    # the judge learns from their models. Inside a JSON Schema a key is not a field: a property named there
+    # whose value is not a schema makes the schema invalid, which a forced tool call must refuse.
+    expect: Expect = "any" if any(part in SCHEMA_KEYS for part in where) else "accept"
+    return set_at(body, (*where, key), draw(json_values)), f"unknown field: {show_path((*where, key))}", expect
 
 
 @st.composite
@@ -966,6 +976,72 @@ def agent_id_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     return {**body, "id": value}, f"id: {ascii(value)[:20]}", "any"
 
 
+# ---- the other kinds' JSON endpoints: embeddings, rerank (an embedding model) and speech (a text-to-speech model)
+
+# Words, so that a valid body's text is never blank (blank input is refused; odd strings are the mutations')
+words = st.from_regex(r"[a-z]{1,8}( [a-z]{1,8}){0,5}", fullmatch=True)
+token_lists = st.lists(ids, min_size=1, max_size=12)
+
+
+@st.composite
+def embeddings_bodies(draw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": TARGET.embedder, "input": draw(st.one_of(
+        words, st.lists(words, min_size=1, max_size=4), token_lists, st.lists(token_lists, min_size=1, max_size=3)))}
+    _maybe(draw, body, "encoding_format", st.sampled_from(["float", "base64"]))
+    _maybe(draw, body, "user", names)
+    return body
+
+
+@st.composite
+def rerank_bodies(draw: Any) -> dict[str, Any]:
+    document = st.one_of(words, st.builds(lambda t: {"text": t}, words))
+    body: dict[str, Any] = {"model": TARGET.embedder, "query": draw(words),
+                            "documents": draw(st.lists(document, min_size=1, max_size=5))}
+    _maybe(draw, body, "top_n", st.integers(1, 8))
+    _maybe(draw, body, "return_documents", st.booleans())
+    return body
+
+
+@st.composite
+def speech_bodies(draw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": TARGET.speaker, "input": draw(words),
+                            "voice": draw(st.sampled_from(["alloy", "default", {"id": "alloy"}]))}
+    _maybe(draw, body, "response_format", st.sampled_from(["wav", "pcm", "flac", "mp3"]))
+    _maybe(draw, body, "stream_format", st.sampled_from(["audio", "sse"]))
+    return body
+
+
+@st.composite
+def embedding_input_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
+    value = draw(st.sampled_from([
+        [], [[]], [""], [[-1]], [[TARGET.vocab + 7]], [[2**40]], [[2**64]], [[1.5]], ["a", [1]], [None], {"a": 1},
+        [[1, [2]]], True, Rep("word ", 5_000), [Rep("word ", 600)], Many("x", 2_100), [Many(1, 5_000)]]))
+    key = "query" if "query" in body and draw(st.booleans()) else ("documents" if "documents" in body else "input")
+    return {**body, key: value}, f"odd {key}: {ascii(value)[:30]}", "any"
+
+
+@st.composite
+def embedding_options_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
+    key, value = draw(st.sampled_from([
+        ("dimensions", 0), ("dimensions", -1), ("dimensions", 1), ("dimensions", 10**20), ("dimensions", "8"),
+        ("dimensions", 1.5), ("encoding_format", "hex"), ("encoding_format", ""), ("encoding_format", 5),
+        ("truncate", True), ("truncate", "yes"), ("top_n", 0), ("top_n", -1), ("top_n", 10**30), ("top_n", "1"),
+        ("return_documents", "x"), ("documents", [{}]), ("documents", [{"text": 5}]), ("documents", [None]),
+        ("documents", "one"), ("documents", [["a"]])]))
+    return {**body, key: value}, f"{key}: {ascii(value)[:30]}", "any"
+
+
+@st.composite
+def speech_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
+    key, value = draw(st.sampled_from([
+        ("speed", 0), ("speed", 0.25), ("speed", 2.0), ("speed", 9.0), ("speed", -1), ("speed", "fast"),
+        ("voice", "nobody"), ("voice", {"id": 3}), ("voice", {}), ("voice", ""), ("voice", ["alloy"]),
+        ("response_format", "ogg"), ("response_format", "WAV"), ("response_format", ""), ("stream_format", "x"),
+        ("instructions", "whisper it"), ("instructions", ["x"]), ("input", "   "), ("input", "."),
+        ("input", Rep("speak. ", 700)), ("input", "\u200b"), ("model", TARGET.embedder), ("model", "default")]))
+    return {**body, key: value}, f"{key}: {ascii(value)[:30]}", "any"
+
+
 TARGETED_SAMPLING = (logit_bias_out_of_vocab, logit_bias_values, top_k_huge, seed_out_of_range, max_tokens_extreme,
                      model_unknown, n_out_of_range)
 TARGETED_CHAT = (*TARGETED_SAMPLING, reserved_template_kwargs, chat_tool_without_name, chat_tool_choice_unknown,
@@ -1034,6 +1110,19 @@ ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in [
              (model_unknown, anthropic_tool_odd, anthropic_messages_odd, anthropic_system_odd),
              fields=("model", "messages", "system", "tools", "tool_choice", "thinking"),
              numbers=("max_tokens", "top_k"), strings=("model", "system"), nested=("metadata",)),
+    Endpoint("embeddings", "POST", "/v1/embeddings", "POST /v1/embeddings", "openai", None,
+             "protocols.openai_embeddings:EmbeddingsBody", embeddings_bodies,
+             (model_unknown, embedding_input_odd, embedding_options_odd),
+             fields=("model", "input", "encoding_format", "dimensions", "user"), numbers=("dimensions",),
+             strings=("model", "input", "encoding_format", "user")),
+    Endpoint("rerank", "POST", "/v1/rerank", "POST /v1/rerank", "openai", None, "protocols.rerank:RerankBody",
+             rerank_bodies, (model_unknown, embedding_input_odd, embedding_options_odd),
+             fields=("model", "query", "documents", "top_n", "return_documents"), numbers=("top_n",),
+             strings=("model", "query")),
+    Endpoint("speech", "POST", "/v1/audio/speech", "POST /v1/audio/speech", "openai", None,
+             "protocols.openai_speech:SpeechBody", speech_bodies, (model_unknown, speech_odd),
+             fields=("model", "input", "voice", "response_format", "speed", "stream_format", "instructions"),
+             numbers=("speed",), strings=("model", "input", "voice", "response_format", "instructions")),
     Endpoint("agent_create", "POST", "/v1/agents", "POST /v1/agents", "openai", None,
              "stages.agents:AgentCreateBody", agent_create_bodies, (model_unknown, agent_max_context, agent_id_odd),
              fields=("model", "id", "system_prompt", "max_context", "context_overflow", "persist"),
