@@ -78,8 +78,8 @@ def test_a_short_input_is_not_padded_to_a_long_ones_length(server: RunningServer
     loaded = next(m for m in server.server.models if m.name == "bert").embedding
     assert loaded is not None
     embedder = loaded.embedder
-    measured = embedder.cost.idle
-    assert measured is not None and measured[0] > 0 and measured[1] > 0  # timed at load
+    measured = embedder.cost.idle  # timed at load, or None where a busy machine's noise swamped the timing
+    assert measured is None or (measured[0] >= 0 and measured[1] > 0)
     texts = ["a", "b c", " ".join(["river"] * 120)]
     expected = server.server.device.call(lambda: direct(embedders["bert"], texts))
     embedder.cost.idle = (0.001, 1e-5)  # a pass's overhead: 100 padded tokens (the tiny model's own is ~700)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 
 from flow.compiler import compile_tables
@@ -162,6 +163,8 @@ def test_embedding_models_count_in_the_pool_like_any_other(tiny_qwen3: Path) -> 
         stats = pool_stats(server)
         assert stats["loaded"] == ["chat"] and stats["evictions"] == 1
         again = embed()  # reloaded after its eviction: the same vectors
-        assert again.status_code == 200 and again.json()["data"] == first.json()["data"]
+        assert again.status_code == 200  # the same vectors, to float32 rounding (a pass's shape may differ)
+        assert np.allclose([d["embedding"] for d in again.json()["data"]],
+                           [d["embedding"] for d in first.json()["data"]], atol=1e-6)
         stats = pool_stats(server)
         assert stats["loaded"] == ["vectors"] and stats["models"]["vectors"] == {"state": "ready", "loads": 2}
