@@ -205,8 +205,10 @@ def create_app(server: FlowServer) -> QuartTrio:
         message = {
             404: f"No route {request.method} {request.path}. Routes: {server.live.gen.routes_text()}, GET /health.",
             405: f"{request.method} is not allowed on {request.path}.",
-            413: f"The request body is larger than {server.body_limit()} bytes, more than the served models' "
-                 "context can take.",
+            413: f"The request body is larger than {server.body_limit()} bytes, "
+                 + ("the server's max_body_bytes." if server.graph.spec.server.max_body_bytes is not None else
+                    "the most its models take (a text model's context as text, an audio file up to 25 MB, an "
+                    "embedding request's inputs)."),
             408: f"The request body did not arrive within {server.graph.spec.server.body_timeout_seconds:g} "
                  "seconds.",
         }.get(code, exc.description or "error")

@@ -62,11 +62,23 @@ def parse_multipart(body: bytes, content_type: str) -> tuple[dict[str, list[str]
                     current = None
             elif isinstance(event, (Epilogue, NeedData)):
                 break
-    except ValueError as exc:  # werkzeug's parse errors (also the field size cap)
-        raise ApiError("invalid_request", f"The multipart body could not be read: {exc}.") from None
+    except ValueError:  # werkzeug's parse errors name its parser's state: say what that means for the body
+        raise ApiError("invalid_request", _unreadable(decoder, boundary)) from None
     if not decoder.complete:
-        raise ApiError("invalid_request", "The multipart body ends before its closing boundary.")
+        raise ApiError("invalid_request", f"The multipart body ends before its closing boundary "
+                       f"('--{boundary}--').")
     return fields, files
+
+
+def _unreadable(decoder: Any, boundary: str) -> str:
+    from werkzeug.sansio.multipart import State
+
+    if decoder.state == State.PREAMBLE:
+        return (f"The multipart body has no part that starts with the boundary its Content-Type names "
+                f"('--{boundary}'); send the form as the OpenAI SDK or curl -F does.")
+    if decoder.state == State.PART:  # werkzeug's one error there
+        return "A part of the multipart body has no 'Content-Disposition: form-data; name=\"…\"' header."
+    return f"The multipart body ends inside a part, before its closing boundary ('--{boundary}--')."
 
 
 def _one(fields: dict[str, list[str]], name: str) -> str | None:

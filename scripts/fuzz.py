@@ -4,7 +4,8 @@
     .venv/bin/python scripts/fuzz.py --minutes 10                  # starts its own server on a tiny model
     .venv/bin/python scripts/fuzz.py --minutes 60 --seed 7 --only chat,messages
     .venv/bin/python scripts/fuzz.py --url http://127.0.0.1:8080 --model qwen3-0.6b --vocab 151936
-    .venv/bin/python scripts/fuzz.py --url http://127.0.0.1:8080 --model default --embedder minilm --speaker tts-1
+    .venv/bin/python scripts/fuzz.py --url http://127.0.0.1:8080 --model default --embedder minilm --speaker tts-1 \
+        --listener whisper-1
 
 Cases come from ``tests/fuzz/strategies.py`` (Hypothesis, generation only, seeded: the same seed
 and the same code send the same cases), rounds of ``--batch`` cases per endpoint in turn until
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                                                           "default: default)")
     parser.add_argument("--embedder", help="with --url: an embedding model it serves (fuzzes embeddings and rerank)")
     parser.add_argument("--speaker", help="with --url: a text-to-speech model it serves (fuzzes speech)")
+    parser.add_argument("--listener", help="with --url: a speech-to-text model it serves (fuzzes the multipart "
+                                           "transcription and translation uploads)")
     parser.add_argument("--vocab", type=int, help="with --url: the model's vocabulary size (default 1024)")
     parser.add_argument("--only", help="comma-separated endpoints, of: " + ", ".join(NAMES))
     parser.add_argument("--batch", type=int, default=40, help="cases per endpoint per round (default 40)")
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.only.split(",") if args.only else NAMES
     if args.url and not args.only:  # the other kinds' endpoints only where the server's models were named
         names = [n for n in names if not (n in ("embeddings", "rerank") and not args.embedder
-                                          or n == "speech" and not args.speaker)]
+                                          or n == "speech" and not args.speaker
+                                          or n == "transcriptions" and not args.listener)]
     unknown = [n for n in names if n not in NAMES]
     if unknown:
         parser.error(f"unknown endpoint(s) {', '.join(unknown)}; valid: {', '.join(NAMES)}")
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         host = urlsplit(args.url).hostname or ""
         configure(models=tuple(args.model or ["default"]), vocab=args.vocab, embedder=args.embedder,
-                  speaker=args.speaker, loopback=host in ("localhost", "::1") or host.startswith("127."))
+                  speaker=args.speaker, listeners=(args.listener,) if args.listener else None,
+                  loopback=host in ("localhost", "::1") or host.startswith("127."))
         server: Server = RemoteServer(args.url)
     else:
         print("starting flow serve on a tiny model…", file=sys.stderr)

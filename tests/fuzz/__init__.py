@@ -66,6 +66,7 @@ ANTHROPIC_ERROR_TYPES = {"invalid_request_error", "authentication_error", "permi
                          "request_too_large", "rate_limit_error", "api_error", "overloaded_error", "timeout_error",
                          "billing_error"}
 READ_LIMIT = 64 * 1024 * 1024
+TEXT_ANSWERS = ("text/plain", "text/vtt", "application/x-subrip")  # transcripts: response_format text, vtt, srt
 
 
 # --------------------------------------------------------------------------- the server
@@ -85,7 +86,7 @@ aliases = ["default"]
 default_max_tokens = {default_max_tokens}
 max_batch = 8
 
-# the other kinds' JSON endpoints: embeddings and rerank, speech (small answers: 16 audio tokens a sentence)
+# the other kinds: embeddings and rerank, speech (small answers: 16 audio tokens a sentence), transcription
 [resources.embedder]
 type = "model"
 path = "tiny:tiny-bert"
@@ -96,6 +97,13 @@ type = "model"
 path = "tiny:tiny-soprano"
 name = "speaker"
 speech_max_tokens = 16
+
+# speech to text (multipart uploads)
+[resources.listener]
+type = "model"
+path = "tiny:tiny-whisper"
+name = "listener"
+aliases = ["whisper-1"]
 
 [resources.prefix_cache]
 hot_bytes = 67108864
@@ -511,6 +519,10 @@ def stream_problem(grammar: str | None, answer: bytes) -> tuple[str, str] | None
     elif grammar == "anthropic":
         if events[-1][0] != "message_stop":
             return "stream", f"ends with event {events[-1][0]!r}, not message_stop"
+    elif grammar == "transcription":
+        ending = last.get("type") if isinstance(last, dict) else last
+        if ending != "transcript.text.done":
+            return "stream", f"ends with {ending!r}, not transcript.text.done"
     return None
 
 
@@ -609,6 +621,15 @@ def _judge(verdict: Verdict, headers: httpx.Headers, server: Server) -> None:
     elif headers.get("content-type", "").startswith("audio/"):
         if not answer:
             failures.append(Failure("body", route, f"{status} audio answer is empty"))
+    elif headers.get("content-type", "").split(";")[0] in TEXT_ANSWERS:  # transcripts as text or subtitles
+        kind = headers["content-type"].split(";")[0]
+        try:
+            text = answer.decode("utf-8")
+        except UnicodeDecodeError:
+            failures.append(Failure("body", route, f"{status} {kind} answer is not UTF-8"))
+        else:
+            if kind == "text/vtt" and not text.startswith("WEBVTT"):
+                failures.append(Failure("body", route, f"{status} text/vtt answer does not start with WEBVTT"))
     elif case.request.method not in ("HEAD", "OPTIONS"):
         try:
             json.loads(answer)

@@ -45,7 +45,7 @@ from hypothesis.strategies import SearchStrategy
 
 Expect = Literal["accept", "reject", "any"]
 Shape = Literal["openai", "anthropic"]
-Grammar = Literal["chat", "completions", "responses", "anthropic"]
+Grammar = Literal["chat", "completions", "responses", "anthropic", "transcription"]
 
 VALID_IDS = 256  # token ids below this are in the vocabulary of any model worth fuzzing
 AGENT = "fuzz-agent"  # the agent every agent-turn case resets and talks to
@@ -59,6 +59,7 @@ class Target:
     vocab: int = 1024  # the tiny models'
     embedder: str = "embedder"  # an embedding model (embeddings, rerank)
     speaker: str = "speaker"  # a text-to-speech model
+    listeners: tuple[str, ...] = ("listener", "whisper-1")  # a speech-to-text model's ids (transcriptions)
     loopback: bool = True  # listening on a loopback address: other Host/Origin headers are refused
 
 
@@ -66,7 +67,8 @@ TARGET = Target()
 
 
 def configure(models: tuple[str, ...] | None = None, vocab: int | None = None, loopback: bool | None = None,
-              embedder: str | None = None, speaker: str | None = None) -> None:
+              embedder: str | None = None, speaker: str | None = None,
+              listeners: tuple[str, ...] | None = None) -> None:
     """Point the strategies at another server's models (call before drawing anything)."""
     if models:
         TARGET.models = tuple(models)
@@ -74,6 +76,8 @@ def configure(models: tuple[str, ...] | None = None, vocab: int | None = None, l
         TARGET.embedder = embedder
     if speaker:
         TARGET.speaker = speaker
+    if listeners:
+        TARGET.listeners = tuple(listeners)
     if vocab:
         TARGET.vocab = vocab
     if loopback is not None:
@@ -1254,14 +1258,19 @@ def lookup_cases(draw: Any) -> Case:
 
 
 def cases(name: str) -> SearchStrategy[Case]:
-    """Every kind of case for one endpoint (``lookup``: the GET/DELETE routes)."""
+    """Every kind of case for one endpoint (``lookup``: the GET/DELETE routes; ``transcriptions``: the
+    multipart uploads of ``tests/fuzz/forms.py``)."""
     if name == "lookup":
         return lookup_cases()
+    if name == "transcriptions":
+        from tests.fuzz.forms import transcription_cases
+
+        return transcription_cases()
     ep = ENDPOINTS[name]
     return st.one_of(mutated_cases(ep), mutated_cases(ep), mutated_cases(ep), transport_cases(ep))
 
 
-NAMES = [*ENDPOINTS, "lookup"]
+NAMES = [*ENDPOINTS, "lookup", "transcriptions"]
 
 # --------------------------------------------------------------------------- fixed cases
 
@@ -1283,7 +1292,11 @@ def regressions(name: str) -> list[Case]:
     first, whatever the seed draws): huge and out-of-range numbers, lone surrogates (escaped and as raw
     bytes, in values and in keys), deep nesting, logit_bias outside the vocabulary, top_k past it, seeds
     outside 64 bits, reserved chat_template_kwargs, nameless tools, tool_choice naming no tool, max_context
-    past 2^63."""
+    past 2^63. The speech-to-text routes: a valid upload to each, and every audio file of the fuzzer once."""
+    if name == "transcriptions":
+        from tests.fuzz.forms import transcription_regressions
+
+        return transcription_regressions()
     if name not in _MINIMAL:
         return []
     ep = ENDPOINTS[name]

@@ -24,7 +24,8 @@ from tests.fuzz.strategies import NAMES, Case, cases, regressions
 # Drawn cases per endpoint (after its fixed ones, strategies.regressions): with a server that passes, the
 # file runs in about a minute on two cores.
 EXAMPLES = {"chat": 110, "completions": 70, "responses": 70, "messages": 90, "count_tokens": 40, "agent_create": 40,
-            "agent_patch": 30, "agent_generate": 60, "embeddings": 40, "rerank": 30, "speech": 25, "lookup": 30}
+            "agent_patch": 30, "agent_generate": 60, "embeddings": 40, "rerank": 30, "speech": 25, "lookup": 30,
+            "transcriptions": 40}
 MINIMIZE_SECONDS = 30.0  # per endpoint, for making failing cases smaller
 
 
