@@ -880,18 +880,19 @@ class Engine:
             if len(group) > 1:
                 for _ in group:
                     self._waiting.popleft()
+                lengths = [len(s.prompt) - 1 - s.prefilled for s in group]
                 try:
                     rows = self._prefill_together(group)
                     self._drop_cancelled(rows)  # a prompt whose client left during the pass gets no first token
                     if rows.seqs:
                         self._start(rows, out)
+                        self._deliver_now(out)
                 except Exception as exc:
                     log.exception("prefill failed; failing its sequences")
                     self._fail(group, exc, out)
                     continue
-                used = len(group) * max(len(s.prompt) - 1 for s in group)
-                budget -= used
-                self.stats.prompt_tokens += sum(len(s.prompt) - 1 for s in group)
+                budget -= len(group) * max(lengths)
+                self.stats.prompt_tokens += sum(lengths)
                 self.stats.prefill_chunks += 1
                 self.stats.grouped_prefills += 1
                 continue
@@ -939,20 +940,25 @@ class Engine:
                 for follower in choices[1:]:
                     follower.cache, follower.prefilled = seq.cache, seq.prefilled  # merged into copies below
                 self._start(_Rows.merge(choices), out)
+                self._deliver_now(out)
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
                 self._fail(choices, exc, out)
         self.stats.prefill_seconds += time.perf_counter() - start
 
     def _group(self, budget: int) -> list[_Sequence]:
-        """Waiting sequences, from the head, to prefill together within ``budget`` padded tokens."""
+        """Waiting sequences, from the head, to prefill together within ``budget`` padded tokens.
+
+        A sequence with a prefix hit joins with the rest of its prompt (its cached positions are merged
+        into the group's cache, left-padded as the decode batch is) where every layer's cache is a plain
+        KV cache: requests that share a system prompt, the common case, are prefilled in one pass."""
         group: list[_Sequence] = []
         longest = 0
         room = self._room()
         for seq in self._waiting:
-            n = len(seq.prompt) - 1
-            if (seq.cache is not None or seq.hit is not None or seq.followers or seq.images is not None or n < 1
-                    or len(group) >= room):
+            n = len(seq.prompt) - 1 - seq.prefilled
+            if (seq.cache is not None or (seq.hit is not None and not self._hits_group) or seq.followers
+                    or seq.images is not None or n < 1 or len(group) >= room):
                 break
             if max(longest, n) * (len(group) + 1) > budget:
                 break
@@ -960,20 +966,28 @@ class Engine:
             longest = max(longest, n)
         return group
 
+    @cached_property
+    def _hits_group(self) -> bool:
+        """Whether sequences with prefix hits can join a group: every layer keeps a plain KV cache (no sliding
+        window, recurrent state or quantized KV, whose merge with a prefix would need more than left padding)."""
+        return self.kv_quantizer is None and all(type(c) is KVCache for c in make_prompt_cache(self.model))
+
     def _prefill_together(self, group: list[_Sequence]) -> _Rows:
-        """Prefill all but the last prompt token of each sequence in one right-padded forward pass."""
-        rows = _Rows(list(group), _merge_caches([make_prompt_cache(self.model) for _ in group]))
-        lengths = [len(s.prompt) - 1 for s in group]
+        """Prefill all but the last prompt token of each sequence in one right-padded forward pass (each from
+        its prefix hit, if it has one)."""
+        rows = _Rows(list(group), _merge_caches([self._new_cache(s) for s in group]))
+        starts = [s.prefilled for s in group]
+        lengths = [len(s.prompt) - 1 - start for s, start in zip(group, starts)]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
-        tokens = mx.array([s.prompt[:-1] + [0] * p for s, p in zip(group, padding)])
+        tokens = mx.array([s.prompt[start:-1] + [0] * p for s, start, p in zip(group, starts, padding)])
         if any(padding):
             for c in rows.cache:
                 c.prepare(lengths=lengths, right_padding=padding)
         hidden = self._decode_pass(tokens, group, rows.cache)[1]
         if hidden is not None:
-            for row, (seq, n) in enumerate(zip(group, lengths)):
-                self._prompt_hidden(seq, 0, hidden[row, :n])
+            for row, (seq, start, n) in enumerate(zip(group, starts, lengths)):
+                self._prompt_hidden(seq, start, hidden[row, :n])
         if any(padding):
             for c in rows.cache:
                 c.finalize()  # the padding moves to the left, where the batch expects it
@@ -1387,6 +1401,12 @@ class Engine:
                               session_id=seq.policy.session_id if last else None, keys=seq.keys)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")
+
+    def _deliver_now(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
+        """Hand out first tokens as soon as their prompts are done, not at the end of a step that prefills
+        more prompts after them (8 short prompts in one step: the first one's client waited for all 8)."""
+        self._deliver(out)
+        out.clear()
 
     def _deliver(self, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
         if not out:

@@ -6,6 +6,7 @@ whatever the cache supplies must not change a single token.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+import trio
 
 from protocols.ir import CachePolicy
 from runtime.device import DeviceThread
@@ -130,8 +132,6 @@ async def test_prefix_mode_keeps_the_prompt_only(qwen3: Loaded, rigs: list[Rig])
 
 async def test_concurrent_grouped_prompts_share_and_store(qwen3: Loaded, rigs: list[Rig]) -> None:
     """Short prompts prefilled together (one batch) store their blocks from their batch rows."""
-    import trio
-
     r = rig(rigs, qwen3)
     prompts = [conversation(qwen3, q) for q in ("hi", "What is the capital of France?", "ok")]
     results: list[Any] = [None] * 3
@@ -146,6 +146,35 @@ async def test_concurrent_grouped_prompts_share_and_store(qwen3: Loaded, rigs: l
     for prompt in prompts:
         _, cached = await r.run(prompt, 6)
         assert cached == len(prompt) - 1
+
+
+async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(qwen3: Loaded,
+                                                                               rigs: list[Rig]) -> None:
+    """Requests that share a cached system prompt (an agent's common case) are prefilled in one pass, each
+    row from its own prefix hit, with output unchanged."""
+    r = rig(rigs, qwen3)
+    await r.run(conversation(qwen3, "Where is the lamp?"), 4)  # stores the system prompt's blocks
+    prompts = [conversation(qwen3, q) for q in ("hi", "What is the capital of France, and why is it there?",
+                                                  "ok", "Tell me about boats.")]
+    hits = [await r.engine.match_prefix(p, CachePolicy()) for p in prompts]
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))  # every prompt is queued before the step that prefills them
+    handles = [r.engine.submit(p, max_tokens=6, stop_ids=qwen3.eos, sampling=GREEDY, prefix=h, policy=CachePolicy())
+               for p, h in zip(prompts, hits)]
+    before = r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks
+    results: list[Any] = [None] * len(handles)
+
+    async def one(i: int) -> None:
+        results[i] = await collect(handles[i])
+
+    hold.set()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(handles)):
+            nursery.start_soon(one, i)
+    assert (r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks) == (before[0] + 1, before[1] + 1)
+    for prompt, handle, result in zip(prompts, handles, results):
+        assert 0 < handle.cached_tokens < len(prompt) - 1
+        assert result.tokens == qwen3.reference(prompt, 6), "prefilled from a hit in a group, the output changed"
 
 
 async def test_memory_limit_evicts_unreferenced_blocks(qwen3: Loaded, rigs: list[Rig]) -> None:
