@@ -156,6 +156,7 @@ async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(
     await r.run(conversation(qwen3, "Where is the lamp?"), 4)  # stores the system prompt's blocks
     prompts = [conversation(qwen3, q) for q in ("hi", "What is the capital of France, and why is it there?",
                                                   "ok", "Tell me about boats.")]
+    prompts.append(conversation(qwen3, "Where is the lamp?", "By the sea.", "And the keeper?"))  # a longer hit
     hits = [await r.engine.match_prefix(p, CachePolicy()) for p in prompts]
     hold = threading.Event()
     qwen3.device.submit(lambda: hold.wait(10))  # every prompt is queued before the step that prefills them
@@ -172,6 +173,7 @@ async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(
         for i in range(len(handles)):
             nursery.start_soon(one, i)
     assert (r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks) == (before[0] + 1, before[1] + 1)
+    assert len({handle.cached_tokens for handle in handles}) == 2  # rows from hits of different lengths
     for prompt, handle, result in zip(prompts, handles, results):
         assert 0 < handle.cached_tokens < len(prompt) - 1
         assert result.tokens == qwen3.reference(prompt, 6), "prefilled from a hit in a group, the output changed"
