@@ -56,8 +56,11 @@ class RouteTable:
     the event loop at each reload); a trailing slash is ignored; GET routes answer HEAD too."""
 
     def __init__(self, routes: tuple[Route, ...]) -> None:
-        self._patterns: list[tuple[tuple[str, ...], str, Route]] = [
-            (self._segments(route.path), route.method, route) for route in routes]
+        # By segment count: a request compares itself with the few patterns as long as its path, not all.
+        self._patterns: dict[int, list[tuple[tuple[str, ...], str, Route]]] = {}
+        for route in routes:
+            segments = self._segments(route.path)
+            self._patterns.setdefault(len(segments), []).append((segments, route.method, route))
 
     @staticmethod
     def _segments(path: str) -> tuple[str, ...]:
@@ -81,9 +84,7 @@ class RouteTable:
     def _match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
         segments = self._segments(path)
         allowed: set[str] = set()
-        for pattern, route_method, route in self._patterns:
-            if len(pattern) != len(segments):
-                continue
+        for pattern, route_method, route in self._patterns.get(len(segments), ()):
             params: dict[str, str] = {}
             for want, got in zip(pattern, segments):
                 if want.startswith("{") and want.endswith("}"):
