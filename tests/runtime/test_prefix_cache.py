@@ -179,6 +179,32 @@ async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(
         assert result.tokens == qwen3.reference(prompt, 6), "prefilled from a hit in a group, the output changed"
 
 
+async def test_a_row_cancelled_during_a_grouped_pass_from_hits_leaves_nothing_referenced(qwen3: Loaded,
+                                                                                       rigs: list[Rig]) -> None:
+    """A client leaving while its prompt is prefilled from a hit beside another: no first token for it, the other
+    row's output unchanged, and no cached block left referenced (the ``rigs`` fixture checks at the end)."""
+    from tests.runtime.test_engine import DuringPass, wait_until
+
+    r = rig(rigs, qwen3)
+    await r.run(conversation(qwen3, "Where is the lamp?"), 4)
+    prompts = [conversation(qwen3, q) for q in ("hi", "Tell me about boats, and the sea.")]
+    hits = [await r.engine.match_prefix(p, CachePolicy()) for p in prompts]
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))
+    a, b = (r.engine.submit(p, max_tokens=3, stop_ids=qwen3.eos, sampling=GREEDY, prefix=h, policy=CachePolicy())
+            for p, h in zip(prompts, hits))
+    width = max(len(p) - 1 - handle.cached_tokens for p, handle in zip(prompts, (a, b)))
+    r.engine.model = DuringPass(r.engine.model, width, b.cancel)  # the grouped pass: B leaves as it begins
+    hold.set()
+    result = await collect(a)
+    await wait_until(lambda: not r.engine.has_work())
+    assert r.engine.stats.cancelled == 1 and r.engine.stats.grouped_prefills == 1
+    assert result.tokens == qwen3.reference(prompts[0], 3)
+    with pytest.raises(trio.WouldBlock):
+        b.chunks.receive_nowait()  # nothing was handed out
+    b.chunks.close()
+
+
 async def test_memory_limit_evicts_unreferenced_blocks(qwen3: Loaded, rigs: list[Rig]) -> None:
     per_block = qwen3.model.args.num_hidden_layers * 2 * qwen3.model.args.num_key_value_heads * BLOCK * \
         qwen3.model.args.head_dim * 4
