@@ -54,6 +54,21 @@ from flow.bench import report  # noqa: E402
 SYSTEMS = ("flow", "mlx_lm.server", "raw")
 
 
+SHARED_SYSTEM: list[str] = []  # --system-words: one system prompt every request carries, as an agent's do
+
+
+def shared_system(words: int) -> str:
+    """A system prompt of about ``words`` words (rules an agent's harness might send with every request)."""
+    rules = ("Answer the keeper of the lighthouse briefly and precisely, name the tool you would use, and "
+             "never leave the lamp unattended while the fog is in. ").split()
+    return " ".join(rules[i % len(rules)] for i in range(words))
+
+
+def chat_messages(text: str) -> list[dict[str, str]]:
+    system = [{"role": "system", "content": SHARED_SYSTEM[0]}] if SHARED_SYSTEM else []
+    return [*system, {"role": "user", "content": text}]
+
+
 def prompt_text(i: int) -> str:
     return (f"Request number {i}. Write a long, detailed story about a lighthouse keeper who finds "
             f"message number {i} in a bottle on the shore.")
@@ -74,7 +89,7 @@ class RequestResult:
 async def stream_one(client: httpx.AsyncClient, url: str, model: str, text: str, max_tokens: int,
                      on_first: Callable[[], None] | None = None, extra: dict[str, Any] | None = None
                      ) -> RequestResult:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+    body = {"model": model, "messages": chat_messages(text), "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     result = RequestResult(ok=False, start=time.perf_counter())
     chunks = 0
@@ -286,7 +301,7 @@ def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, 
 
     def prompts(n: int) -> list[list[int]]:
         return [list(tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
-            [{"role": "user", "content": prompt_text(i)}], add_generation_prompt=True)) for i in range(n)]
+            chat_messages(prompt_text(i)), add_generation_prompt=True)) for i in range(n)]
 
     batch_generate(model, tokenizer, prompts(2), max_tokens=8)  # warm-up
     out: dict[str, Any] = {}
@@ -308,7 +323,7 @@ def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, 
 
 def bench_raw(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--raw-worker", str(model_dir), "--max-tokens", str(args.max_tokens),
-           "--levels", ",".join(str(x) for x in args.levels)]
+           "--levels", ",".join(str(x) for x in args.levels), "--system-words", str(args.system_words)]
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, check=True)
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
@@ -345,7 +360,8 @@ def markdown(result: dict[str, Any]) -> str:
     systems = [s for s in SYSTEMS if s in result["systems"]]
     lines = [
         f"model `{result['model']}`, {result['max_tokens']} max new tokens per request (greedy), "
-        f"flow engine: strategy `{result['flow_config']['strategy']}`, max_batch "
+        + (f"a shared system prompt of {result['system_words']} words, " if result.get("system_words") else "")
+        + f"flow engine: strategy `{result['flow_config']['strategy']}`, max_batch "
         f"{result['flow_config']['max_batch']}, prefill_chunk {result['flow_config']['prefill_chunk']}; "
         f"OpenBLAS {'on' if result['openblas'] else 'off'}; {result['cpus']} CPUs; median of {result['rounds']} "
         f"round(s) (failed: summed over rounds); load average before/after "
@@ -385,9 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=1, help="repeat, alternating systems; medians are reported")
     parser.add_argument("--json", help="also write the full result here")
+    parser.add_argument("--system-words", type=int, default=0,
+                        help="every request carries the same system prompt of about this many words (an agent's "
+                             "rules: the servers' prefix caches hold it after the warm-up); default none")
     parser.add_argument("--raw-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",") if x]
+    if args.system_words:
+        SHARED_SYSTEM.append(shared_system(args.system_words))
     if args.raw_worker:
         print(json.dumps(raw_worker(args.raw_worker, args.levels, args.max_tokens)))
         return 0
@@ -402,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "model_dir": str(model_dir), "max_tokens": args.max_tokens, "levels": args.levels,
         "openblas": blas.openblas_active(), "cpus": os.cpu_count(),
         "flow_config": {"strategy": args.strategy, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk},
+        "system_words": args.system_words,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "systems": {},
     }
