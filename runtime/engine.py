@@ -934,17 +934,31 @@ class Engine:
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._waiting.popleft()
             choices, seq.followers = [seq, *seq.followers], []
+            starting = [*choices, *self._take_prefilled(self._room() - len(choices))]
             try:
-                if seq.cache is None:
-                    seq.cache = self._new_cache(seq)  # nothing (more) to prefill
+                for other in (seq, *starting[len(choices):]):
+                    if other.cache is None:
+                        other.cache = self._new_cache(other)  # nothing (more) to prefill
                 for follower in choices[1:]:
                     follower.cache, follower.prefilled = seq.cache, seq.prefilled  # merged into copies below
-                self._start(_Rows.merge(choices), out)
+                self._start(_Rows.merge(starting), out)
                 self._deliver_now(out)
             except Exception as exc:
                 log.exception("could not batch the sequence's cache; failing it")
-                self._fail(choices, exc, out)
+                self._fail(starting, exc, out)
         self.stats.prefill_seconds += time.perf_counter() - start
+
+    def _take_prefilled(self, limit: int) -> list[_Sequence]:
+        """Up to ``limit`` more sequences from the head of the queue with nothing left to prefill (their whole
+        prompt was cached, or its last chunk is done): they start in one pass with the one before them,
+        not in a pass of one row each."""
+        taken: list[_Sequence] = []
+        while self._waiting and len(taken) < limit:
+            seq = self._waiting[0]
+            if seq.followers or seq.images is not None or len(seq.prompt) - 1 - seq.prefilled > 0:
+                break
+            taken.append(self._waiting.popleft())
+        return taken
 
     def _group(self, budget: int) -> list[_Sequence]:
         """Waiting sequences, from the head, to prefill together within ``budget`` padded tokens.

@@ -179,6 +179,46 @@ async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(
         assert result.tokens == qwen3.reference(prompt, 6), "prefilled from a hit in a group, the output changed"
 
 
+async def test_prompts_cached_whole_start_in_one_pass(qwen3: Loaded, rigs: list[Rig]) -> None:
+    """Requests whose whole prompt is cached (a retry, a regenerated answer) have only their last token to run:
+    queued together, they start in one pass of one row each, not one pass per request."""
+    r = rig(rigs, qwen3)
+    prompts = [conversation(qwen3, q) for q in ("hi", "Tell me about boats.", "Where is the lamp?")]
+    for prompt in prompts:
+        await r.run(prompt, 4)
+    hits = [await r.engine.match_prefix(p, CachePolicy()) for p in prompts]
+    passes: list[tuple[int, ...]] = []
+    model = r.engine.model
+
+    class Counting:
+        def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+            passes.append(tuple(inputs.shape))
+            out: mx.array = model(inputs, cache=cache)
+            return out
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(model, name)
+
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))
+    handles = [r.engine.submit(p, max_tokens=4, stop_ids=qwen3.eos, sampling=GREEDY, prefix=h, policy=CachePolicy())
+               for p, h in zip(prompts, hits)]
+    r.engine.model = Counting()
+    results: list[Any] = [None] * len(handles)
+
+    async def one(i: int) -> None:
+        results[i] = await collect(handles[i])
+
+    hold.set()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(handles)):
+            nursery.start_soon(one, i)
+    assert [handle.cached_tokens for handle in handles] == [len(p) - 1 for p in prompts]
+    assert passes[0] == (3, 1)  # the three last prompt tokens, together
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == qwen3.reference(prompt, 4)
+
+
 async def test_a_row_cancelled_during_a_grouped_pass_from_hits_leaves_nothing_referenced(qwen3: Loaded,
                                                                                        rigs: list[Rig]) -> None:
     """A client leaving while its prompt is prefilled from a hit beside another: no first token for it, the other
