@@ -148,21 +148,14 @@ async def test_concurrent_grouped_prompts_share_and_store(qwen3: Loaded, rigs: l
         assert cached == len(prompt) - 1
 
 
-async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(qwen3: Loaded,
-                                                                               rigs: list[Rig]) -> None:
-    """Requests that share a cached system prompt (an agent's common case) are prefilled in one pass, each
-    row from its own prefix hit, with output unchanged."""
-    r = rig(rigs, qwen3)
-    await r.run(conversation(qwen3, "Where is the lamp?"), 4)  # stores the system prompt's blocks
-    prompts = [conversation(qwen3, q) for q in ("hi", "What is the capital of France, and why is it there?",
-                                                  "ok", "Tell me about boats.")]
-    prompts.append(conversation(qwen3, "Where is the lamp?", "By the sea.", "And the keeper?"))  # a longer hit
+async def run_together(r: Rig, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], list[Any]]:
+    """Every prompt submitted (with its prefix hit) while the device thread is held, so that one step finds them
+    all queued; their handles and greedy results."""
     hits = [await r.engine.match_prefix(p, CachePolicy()) for p in prompts]
     hold = threading.Event()
-    qwen3.device.submit(lambda: hold.wait(10))  # every prompt is queued before the step that prefills them
-    handles = [r.engine.submit(p, max_tokens=6, stop_ids=qwen3.eos, sampling=GREEDY, prefix=h, policy=CachePolicy())
-               for p, h in zip(prompts, hits)]
-    before = r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks
+    r.loaded.device.submit(lambda: hold.wait(10))
+    handles = [r.engine.submit(p, max_tokens=max_tokens, stop_ids=r.loaded.eos, sampling=GREEDY, prefix=h,
+                               policy=CachePolicy()) for p, h in zip(prompts, hits)]
     results: list[Any] = [None] * len(handles)
 
     async def one(i: int) -> None:
@@ -172,6 +165,20 @@ async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(
     async with trio.open_nursery() as nursery:
         for i in range(len(handles)):
             nursery.start_soon(one, i)
+    return handles, results
+
+
+async def test_prompts_that_share_a_cached_system_prompt_are_prefilled_together(qwen3: Loaded,
+                                                                               rigs: list[Rig]) -> None:
+    """Requests that share a cached system prompt (an agent's common case) are prefilled in one pass, each
+    row from its own prefix hit, with output unchanged."""
+    r = rig(rigs, qwen3)
+    await r.run(conversation(qwen3, "Where is the lamp?"), 4)  # stores the system prompt's blocks
+    prompts = [conversation(qwen3, q) for q in ("hi", "What is the capital of France, and why is it there?",
+                                                  "ok", "Tell me about boats.")]
+    prompts.append(conversation(qwen3, "Where is the lamp?", "By the sea.", "And the keeper?"))  # a longer hit
+    before = r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks
+    handles, results = await run_together(r, prompts, 6)
     assert (r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks) == (before[0] + 1, before[1] + 1)
     assert len({handle.cached_tokens for handle in handles}) == 2  # rows from hits of different lengths
     for prompt, handle, result in zip(prompts, handles, results):
@@ -186,7 +193,6 @@ async def test_prompts_cached_whole_start_in_one_pass(qwen3: Loaded, rigs: list[
     prompts = [conversation(qwen3, q) for q in ("hi", "Tell me about boats.", "Where is the lamp?")]
     for prompt in prompts:
         await r.run(prompt, 4)
-    hits = [await r.engine.match_prefix(p, CachePolicy()) for p in prompts]
     passes: list[tuple[int, ...]] = []
     model = r.engine.model
 
@@ -199,20 +205,8 @@ async def test_prompts_cached_whole_start_in_one_pass(qwen3: Loaded, rigs: list[
         def __getattr__(self, name: str) -> Any:
             return getattr(model, name)
 
-    hold = threading.Event()
-    qwen3.device.submit(lambda: hold.wait(10))
-    handles = [r.engine.submit(p, max_tokens=4, stop_ids=qwen3.eos, sampling=GREEDY, prefix=h, policy=CachePolicy())
-               for p, h in zip(prompts, hits)]
     r.engine.model = Counting()
-    results: list[Any] = [None] * len(handles)
-
-    async def one(i: int) -> None:
-        results[i] = await collect(handles[i])
-
-    hold.set()
-    async with trio.open_nursery() as nursery:
-        for i in range(len(handles)):
-            nursery.start_soon(one, i)
+    handles, results = await run_together(r, prompts, 4)
     assert [handle.cached_tokens for handle in handles] == [len(p) - 1 for p in prompts]
     assert passes[0] == (3, 1)  # the three last prompt tokens, together
     for prompt, result in zip(prompts, results):
