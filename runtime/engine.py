@@ -934,9 +934,10 @@ class Engine:
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._waiting.popleft()
             choices, seq.followers = [seq, *seq.followers], []
-            starting = [*choices, *self._take_prefilled(self._room() - len(choices))]
+            others = self._take_prefilled(self._room() - len(choices))
+            starting = [*choices, *others]
             try:
-                for other in (seq, *starting[len(choices):]):
+                for other in (seq, *others):
                     if other.cache is None:
                         other.cache = self._new_cache(other)  # nothing (more) to prefill
                 for follower in choices[1:]:
