@@ -27,12 +27,11 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
+from protocols.openai_audio import FORMATS, TEXT_FIELD_BYTES
 from tests.fuzz.strategies import TARGET, Case, Expect, Request
 
 ROUTES = {"transcriptions": "/v1/audio/transcriptions", "translations": "/v1/audio/translations"}
 BOUNDARY = "fuzzform7MA4YWxk"
-FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
-TEXT_FIELD_BYTES = 1 << 20  # protocols/openai_audio.py: a larger text field is refused
 
 
 @dataclass(frozen=True)
