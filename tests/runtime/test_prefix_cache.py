@@ -21,7 +21,7 @@ from runtime.device import DeviceThread
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.kv_disk import DiskTier
-from runtime.prefix_cache import PrefixCache, PrefixConfig, namespace_of
+from runtime.prefix_cache import PrefixCache, PrefixConfig, _pieces, namespace_of
 from runtime.tiny import TinySpec, ensure_tiny_model
 from tests.runtime.test_engine import GREEDY, Loaded, collect
 
@@ -540,6 +540,50 @@ def test_a_referenced_tail_outlives_eviction() -> None:
     built = cache.build(hit)  # the hit's blocks and tail were held
     assert built[0].offset == 20 and mx.array_equal(built[0].keys, positions(20)[0]).item()
     assert cache.referenced() == 0 and cache.hot_bytes <= per_token * 24
+
+
+def test_blocks_stored_together_are_rebuilt_from_one_slice_per_layer() -> None:
+    """A store's new blocks are views into one segment: a match across two stores and a tail joins three pieces
+    per layer, not one per block (MLX's concatenate costs per input: a 16k-token prefix was over a second)."""
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+    seq = list(range(100, 150))  # 6 blocks of 8 and a 2-token tail
+    store(cache, seq[:24], tail=False)  # blocks 0-2
+    store(cache, seq)  # blocks 3-5 (0-2 are known) and the tail
+    hit = cache.match(NS, seq + [7], FULL)
+    assert hit.tokens == 50
+    first, second = hit.blocks[0].segment, hit.blocks[3].segment
+    assert first is not None and second is not None and first is not second
+    assert [b.segment for b in hit.blocks] == [first] * 3 + [second] * 3 + [None]
+    assert [p.shape[2] for p in _pieces(hit.blocks, 0)] == [24, 24, 2]
+    # A match that starts past a segment's first block (a sliding window's) reads its slice from there.
+    assert [p.shape[2] for p in _pieces(hit.blocks[1:5], 1)] == [16, 16]
+    built = cache.build(hit)
+    for layer, c in enumerate(built):
+        assert c.offset == 50 and mx.array_equal(c.keys, positions(50)[2 * layer]).item()
+        assert mx.array_equal(c.values, positions(50)[2 * layer + 1]).item()
+
+
+def test_a_segment_counts_as_hot_until_most_of_it_has_left() -> None:
+    """Blocks that leave memory while the rest of their segment holds its buffer still count as hot; once the
+    rest holds less than half of it, each run of the rest is copied into a segment of its own and the buffer's
+    bytes leave the count."""
+    per_block = 2 * LAYERS * BLOCK * 2 * 4  # keys and values, 2 floats a position
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK, hot_bytes=per_block * 8))
+    seq = list(range(100, 164))
+    store(cache, seq, tail=False)  # 8 blocks, one segment: the whole budget
+    old = cache.match(NS, seq[:25], FULL)  # references blocks 0-2
+    assert cache.hot_bytes == 8 * per_block and old.tokens == 24
+    segment = old.blocks[0].segment
+    store(cache, list(range(500, 516)), tail=False)  # 2 blocks more: over the budget
+    # Blocks 3-6 leaving free nothing (0-2 and 7 hold the buffer); block 7 leaving leaves less than half held.
+    assert cache.stats.evictions == 5 and cache.hot_bytes == 5 * per_block
+    new = cache.match(NS, seq[:25], FULL)
+    assert new.blocks == old.blocks and new.blocks[0].segment not in (None, segment)
+    assert [p.shape[2] for p in _pieces(new.blocks, 0)] == [24]
+    for hit in (old, new):
+        built = cache.build(hit)
+        assert all(mx.array_equal(c.keys, positions(24)[2 * i]).item() for i, c in enumerate(built))
+    assert cache.referenced() == 0
 
 
 @pytest.mark.parametrize("damage", ["header size", "unknown dtype", "negative offset", "past the end", "shape"])
