@@ -312,14 +312,13 @@ def _to_device(host: HostBlock) -> list[mx.array | None]:
     return out
 
 
-def _share(blocks: list[Block], positions: list[mx.array], live: int = 0) -> None:
-    """Make ``blocks`` (consecutive, together exactly ``positions``' span) views into one contiguous copy of it:
-    a new segment (``live``: how many of them are hot already)."""
-    copied = [mx.contiguous(a) for a in positions]
-    segment = Segment(copied, _nbytes(copied), members=list(blocks), live=live)
+def _share(blocks: list[Block], arrays: list[mx.array], live: int = 0) -> None:
+    """Make ``blocks`` (consecutive, together exactly the positions of ``arrays``: arrays of their own, nothing
+    else's views) views into ``arrays``, a new segment (``live``: how many of the blocks are hot already)."""
+    segment = Segment(arrays, _nbytes(arrays), members=list(blocks), live=live)
     start = 0
     for block in blocks:
-        views: list[mx.array | None] = [a[..., start : start + block.length, :] for a in copied]
+        views: list[mx.array | None] = [a[..., start : start + block.length, :] for a in arrays]
         block.arrays, block.segment, block.offset, block.nbytes = views, segment, start, _nbytes(views)
         start += block.length
 
@@ -333,6 +332,19 @@ def _runs(items: list[T], follows: Callable[[T, T], bool]) -> list[list[T]]:
         else:
             runs.append([item])
     return runs
+
+
+def _joined_hosts(blocks: list[Block]) -> list[mx.array] | None:
+    """Blocks read back from disk as one array per layer's keys and values (None unless there are several, all
+    stored unquantized with every layer)."""
+    hosts = [block.host for block in blocks if block.host is not None]
+    if len(hosts) < 2 or len(hosts) != len(blocks):
+        return None
+    columns = [[a for a in h.arrays if a is not None] for h in hosts]
+    count = len(hosts[0].arrays)
+    if any(h.stride != 1 or h.dtype != hosts[0].dtype or len(c) != count for h, c in zip(hosts, columns)):
+        return None
+    return [_device(np.concatenate([c[i] for c in columns], axis=2), hosts[0].dtype) for i in range(count)]
 
 
 def _pieces(blocks: Sequence[Block], index: int) -> list[mx.array]:
@@ -466,10 +478,17 @@ class PrefixCache:
         Full layers get every position; a sliding-window layer gets the last ``window`` positions,
         in order, as mlx-lm's rotating cache holds them after reading the prefix itself.
         """
-        for block in hit.blocks:
-            if block.arrays is None:
+        cold = [i for i, block in enumerate(hit.blocks) if block.arrays is None]  # read back from disk
+        for run in _runs(cold, lambda a, b: a + 1 == b):
+            blocks = [hit.blocks[i] for i in run]
+            joined = _joined_hosts(blocks)
+            if joined is not None:  # one segment, joined on the host: numpy concatenates cheaply per block
+                _share(blocks, joined)
+            for block in blocks:
                 assert block.host is not None
-                block.arrays, block.host = _to_device(block.host), None
+                if joined is None:
+                    block.arrays = _to_device(block.host)
+                block.host = None
                 self._make_hot(block)
         n = hit.tokens
         cache: list[Any] = []
@@ -565,7 +584,7 @@ class PrefixCache:
         whole = slicer(first * b, (run[-1][0] + 1) * b) if len(run) > 1 else []
         if whole and all(a is not None and not is_packed(a) for a in whole):
             blocks = [Block(key, parent, namespace, 0, expires, persist, b) for _, key, parent in run]
-            _share(blocks, [a for a in whole if a is not None])
+            _share(blocks, [mx.contiguous(a) for a in whole if a is not None])
             return blocks
         out = []
         for i, key, parent in run:
@@ -682,7 +701,7 @@ class PrefixCache:
                 run[0].segment = None
             else:
                 start, end = run[0].offset, run[-1].offset + run[-1].length
-                _share(run, [a[..., start:end, :] for a in segment.arrays], live=len(run))
+                _share(run, [mx.contiguous(a[..., start:end, :]) for a in segment.arrays], live=len(run))
         mx.eval([a for o in survivors for a in o.arrays or [] if a is not None])
         freed, segment.stranded, segment.live, segment.members = segment.stranded, 0, 0, []
         return freed

@@ -563,6 +563,27 @@ def test_blocks_stored_together_are_rebuilt_from_one_slice_per_layer() -> None:
         assert mx.array_equal(c.values, positions(50)[2 * layer + 1]).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_blocks_read_back_from_disk_are_joined_on_the_host(tmp_path: Path, dtype: Any) -> None:
+    """After a restart, the blocks a match reads back from disk become one segment (concatenated by numpy, then
+    one device array per layer), and rebuild exactly."""
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK), DiskTier(tmp_path, 1 << 30))
+    kv = [a.astype(dtype) for a in positions(40)]
+    cache.store(NS, list(range(100, 140)), lambda a, b: [x[..., a:b, :] for x in kv], windows=FULL)
+    assert cache.disk is not None
+    cache.disk.close()
+    restarted = PrefixCache(PrefixConfig(block_tokens=BLOCK), DiskTier(tmp_path, 1 << 30))
+    hit = restarted.match(NS, list(range(100, 141)), FULL)
+    assert hit.tokens == 40 and all(b.host is not None for b in hit.blocks)
+    blocks = list(hit.blocks)
+    built = restarted.build(hit)
+    assert blocks[0].segment is not None and all(b.segment is blocks[0].segment for b in blocks)
+    for layer, c in enumerate(built):
+        assert c.keys.dtype == dtype and mx.array_equal(c.keys, kv[2 * layer]).item()
+        assert mx.array_equal(c.values, kv[2 * layer + 1]).item()
+    assert restarted.hot_bytes == sum(b.nbytes for b in blocks) == 40 * 2 * LAYERS * 2 * dtype.size
+
+
 def test_a_segment_counts_as_hot_until_most_of_it_has_left() -> None:
     """Blocks that leave memory while the rest of their segment holds its buffer still count as hot; once the
     rest holds less than half of it, each run of the rest is copied into a segment of its own and the buffer's
