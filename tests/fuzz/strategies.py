@@ -809,6 +809,8 @@ def chat_message_odd(draw: Any, ep: Endpoint, body: Any) -> Mutated:
     ]
     message, expect = draw(st.sampled_from(options))
     at = draw(st.sampled_from(["start", "end", "only"]))
+    if at == "start" and message is options[0][0]:
+        expect = "any"  # an image before the last message stays a marker on a text model (stages/chat.py)
     messages = _list(body, "messages")
     messages = [message] if at == "only" else [message, *messages] if at == "start" else [*messages, message]
     return {**body, "messages": messages}, f"messages: {json.dumps(message)[:70]} at {at}", expect
