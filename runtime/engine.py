@@ -878,8 +878,8 @@ class Engine:
                 break
             group = self._group(budget)
             if len(group) > 1:
-                for _ in group:
-                    self._waiting.popleft()
+                grouped = set(map(id, group))
+                self._waiting = deque(s for s in self._waiting if id(s) not in grouped)
                 lengths = [len(s.prompt) - 1 - s.prefilled for s in group]
                 try:
                     rows = self._prefill_together(group)
@@ -966,12 +966,15 @@ class Engine:
 
         A sequence with a prefix hit joins with the rest of its prompt (its cached positions are merged
         into the group's cache, left-padded as the decode batch is) where every layer's cache is a plain
-        KV cache: requests that share a system prompt, the common case, are prefilled in one pass."""
+        KV cache: requests that share a system prompt, the common case, are prefilled in one pass. A sequence with
+        nothing left to prefill is passed over, not a reason to stop (it starts just after the group)."""
         group: list[_Sequence] = []
         longest = 0
         room = self._room()
         for seq in self._waiting:
             n = len(seq.prompt) - 1 - seq.prefilled
+            if n < 1 and not seq.followers and seq.images is None:
+                continue  # nothing to prefill (a repeat): it starts right after, and need not split the group
             if (seq.cache is not None or (seq.hit is not None and not self._hits_group) or seq.followers
                     or seq.images is not None or n < 1 or len(group) >= room):
                 break

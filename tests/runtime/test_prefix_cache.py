@@ -213,6 +213,21 @@ async def test_prompts_cached_whole_start_in_one_pass(qwen3: Loaded, rigs: list[
         assert result.tokens == qwen3.reference(prompt, 4)
 
 
+async def test_a_repeat_queued_between_prompts_does_not_split_their_group(qwen3: Loaded, rigs: list[Rig]) -> None:
+    """A request whose whole prompt is cached, queued between two that share the system prompt, is passed over
+    by the group (one grouped pass for the two) and starts right after; every output unchanged."""
+    r = rig(rigs, qwen3)
+    repeat = conversation(qwen3, "Where is the lamp?")
+    await r.run(repeat, 4)  # caches the system prompt, and the whole of this prompt
+    prompts = [conversation(qwen3, "hi"), repeat, conversation(qwen3, "Tell me about boats, and the sea.")]
+    before = r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks
+    handles, results = await run_together(r, prompts, 4)
+    assert (r.engine.stats.grouped_prefills, r.engine.stats.prefill_chunks) == (before[0] + 1, before[1] + 1)
+    assert handles[1].cached_tokens == len(repeat) - 1
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == qwen3.reference(prompt, 4)
+
+
 async def test_a_row_cancelled_during_a_grouped_pass_from_hits_leaves_nothing_referenced(qwen3: Loaded,
                                                                                        rigs: list[Rig]) -> None:
     """A client leaving while its prompt is prefilled from a hit beside another: no first token for it, the other
