@@ -77,7 +77,7 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | N
                 return None
             if inner:
                 out[key] = inner
-        elif old is _MISSING or old != value or type(old) is not type(value):
+        elif old is _MISSING or not _same(old, value):
             out[key] = value
     if any(key not in after for key in before):
         return None
@@ -85,6 +85,17 @@ def changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | N
 
 
 _MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON: of one type all the way down (Python has ``1 == 1.0 == True``, also inside lists)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+    return bool(a == b)
 
 
 async def stats_events(read: Callable[[], dict[str, Any]], interval: float, stop: trio.Event,

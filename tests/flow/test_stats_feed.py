@@ -52,6 +52,7 @@ def test_a_change_holds_only_what_changed() -> None:
     assert changes(before, {k: v for k, v in before.items() if k != "recent"}) is None
     assert changes(before, {**before, "requests": {"total": 3}}) is None
     assert changes({"x": 1}, {"x": True}) == {"x": True}  # equal in Python, not in JSON
+    assert changes({"c": [False, [False]]}, {"c": [False, [0]]}) == {"c": [False, [0]]}  # inside lists too
 
 
 @pytest.mark.parametrize(("raw", "value"), [(None, 1.0), ("0.2", 0.2), ("2.5", 2.5), ("60", 60.0)])
