@@ -89,7 +89,7 @@ def test_reload_under_load_keeps_the_model_and_its_cache(tiny_qwen3: Path, tmp_p
         assert first["status"] == 200 and first["reloaded"] and first["version"] == 2, first
         assert first["in_flight"] > 0, "the streams were meant to be running during the reload"
         assert {"model", "prefix_cache", "agent_store", "response_store"} <= set(first["kept"]) and not first["built"]
-        usage = _chat(base).json()["usage"]
+        usage = _chat(base, temperature=0).json()["usage"]  # greedy: sampling may draw EOS first
         assert 1 <= usage["completion_tokens"] <= 7, usage
 
         # 2. A route added: a second chat entry on another path, into the same inference path.
