@@ -956,7 +956,7 @@ class Engine:
         taken: list[_Sequence] = []
         while self._waiting and len(taken) < limit:
             seq = self._waiting[0]
-            if seq.followers or seq.images is not None or len(seq.prompt) - 1 - seq.prefilled > 0:
+            if not _startable(seq):
                 break
             taken.append(self._waiting.popleft())
         return taken
@@ -973,7 +973,7 @@ class Engine:
         room = self._room()
         for seq in self._waiting:
             n = len(seq.prompt) - 1 - seq.prefilled
-            if n < 1 and not seq.followers and seq.images is None:
+            if _startable(seq):
                 continue  # nothing to prefill (a repeat): it starts right after, and need not split the group
             if (seq.cache is not None or (seq.hit is not None and not self._hits_group) or seq.followers
                     or seq.images is not None or n < 1 or len(group) >= room):
@@ -1463,6 +1463,11 @@ def _without(queue: deque[_Sequence], cancelled: set[int]) -> tuple[deque[_Seque
             seq.cache, seq.hit, seq.followers = None, None, []
             kept.append(heir)
     return kept, dropped
+
+
+def _startable(seq: _Sequence) -> bool:
+    """Nothing left to prefill (its whole prompt cached, or its last chunk done), and it starts as one row."""
+    return not seq.followers and seq.images is None and len(seq.prompt) - 1 - seq.prefilled < 1
 
 
 def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
