@@ -4,15 +4,24 @@ The Linux ``mlx[cpu]`` wheel links a reference BLAS; preloading OpenBLAS makes
 its matrix products 30–60× faster. ``flow`` re-executes itself once with
 ``LD_PRELOAD`` set when OpenBLAS is installed, and otherwise says how to get it.
 Set ``FLOW_OPENBLAS=0`` to opt out.
+
+An OpenBLAS older than the processor does not know its model number and falls
+back to its slowest x86-64 kernels (``Prescott``, SSE3): Debian 12's 0.3.21 does
+so on 5th-generation Xeons, and its float32 matrix products run 7–10× slower
+than its AVX-512 kernels do on the same core. Where that happens, flow names
+the kernel the processor's instructions allow (``OPENBLAS_CORETYPE``), as a
+newer OpenBLAS would pick itself. A ``OPENBLAS_CORETYPE`` already set is kept.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import logging
 import os
 import platform
 import sys
+from pathlib import Path
 
 log = logging.getLogger("flow.blas")
 
@@ -24,6 +33,17 @@ CANDIDATES = (
 )
 INSTALL_HINT = "sudo apt-get install libopenblas0-pthread   (Fedora: sudo dnf install openblas)"
 
+# OpenBLAS's x86-64 kernel families, best first, with the CPU flags (as Linux lists them in /proc/cpuinfo,
+# only where the kernel enabled their register state) that each needs, and the core names OpenBLAS reports
+# for a kernel of that family or an equivalent one.
+X86_KERNELS: tuple[tuple[str, frozenset[str], frozenset[str]], ...] = (
+    ("SkylakeX", frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+     frozenset({"skylakex", "cooperlake", "sapphirerapids"})),
+    ("Haswell", frozenset({"avx2", "fma"}), frozenset({"haswell", "zen"})),
+    ("Sandybridge", frozenset({"avx"}), frozenset({"sandybridge", "bulldozer", "piledriver", "steamroller",
+                                                    "excavator"})),
+)
+
 
 def find_openblas() -> str | None:
     arch = platform.machine()
@@ -34,20 +54,88 @@ def find_openblas() -> str | None:
     return None
 
 
-def openblas_active() -> bool:
-    return any("blas" in p for p in os.environ.get("LD_PRELOAD", "").split(":") if p)
+def openblas_active(env: dict[str, str] | None = None) -> bool:
+    preload = (os.environ if env is None else env).get("LD_PRELOAD", "")
+    return any("blas" in p for p in preload.split(":") if p)
+
+
+def preloaded_path(env: dict[str, str]) -> str | None:
+    return next((p for p in env.get("LD_PRELOAD", "").split(":") if "blas" in p), None)
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's flags, or none where the file is missing or has no flags line."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def _tier(core: str | None = None, flags: frozenset[str] | None = None) -> int:
+    """How good a kernel family is (higher is better): of a core name OpenBLAS reports, or the best the flags
+    allow; 0 for anything older than the families listed."""
+    for rank, (_, needs, names) in enumerate(X86_KERNELS):
+        if (core is not None and core.lower() in names) or (flags is not None and needs <= flags):
+            return len(X86_KERNELS) - rank
+    return 0
+
+
+def kernel_override(library_core: str, flags: frozenset[str]) -> str | None:
+    """The ``OPENBLAS_CORETYPE`` to set: the best x86-64 kernel family ``flags`` allow, where OpenBLAS chose a
+    weaker one (``library_core``); None where its own choice is as good."""
+    best = _tier(flags=flags)
+    if best <= _tier(core=library_core):
+        return None
+    return X86_KERNELS[len(X86_KERNELS) - best][0]
+
+
+def library_core(path: str) -> str | None:
+    """The kernel family the OpenBLAS at ``path`` (or the libopenblas beside it) picks on this machine, as
+    ``openblas_get_corename`` reports it; None where the library cannot be asked."""
+    for candidate in (path, str(Path(path).with_name("libopenblas.so.0"))):
+        try:
+            library = ctypes.CDLL(candidate, mode=os.RTLD_LOCAL)
+            corename = library.openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        corename.restype = ctypes.c_char_p
+        name = corename()
+        return name.decode() if isinstance(name, bytes) else None
+    return None
+
+
+def coretype_env(path: str, env: dict[str, str]) -> str | None:
+    """The kernel to name for the OpenBLAS at ``path``, or None (not x86-64, already named, or well chosen)."""
+    if platform.machine() not in ("x86_64", "AMD64") or env.get("OPENBLAS_CORETYPE"):
+        return None
+    core = library_core(path)
+    return None if core is None else kernel_override(core, cpu_flags())
 
 
 def preload_env(env: dict[str, str] | None = None) -> dict[str, str] | None:
-    """An environment with OpenBLAS preloaded, or None when not applicable or not found."""
+    """An environment with OpenBLAS preloaded and its kernel named where it would pick a weak one, or None when
+    there is nothing to change (not Linux, opted out, OpenBLAS missing, or already set up)."""
     env = dict(os.environ if env is None else env)
-    if sys.platform != "linux" or env.get("FLOW_OPENBLAS") == "0" or openblas_active():
+    if sys.platform != "linux" or env.get("FLOW_OPENBLAS") == "0":
         return None
-    path = find_openblas()
+    changed = False
+    path = preloaded_path(env)
     if path is None:
-        return None
-    env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
-    return env
+        path = find_openblas()
+        if path is None:
+            return None
+        env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
+        changed = True
+    coretype = coretype_env(path, env)
+    if coretype is not None:
+        env["OPENBLAS_CORETYPE"] = coretype
+        changed = True
+    return env if changed else None
 
 
 def reexec_with_openblas() -> None:
@@ -66,16 +154,21 @@ def advise() -> None:
     if sys.platform != "linux" or os.environ.get("FLOW_OPENBLAS") == "0":
         return
     if openblas_active():
-        log.info("MLX CPU matrix products use OpenBLAS (LD_PRELOAD)")
+        coretype = os.environ.get("OPENBLAS_CORETYPE")
+        log.info("MLX CPU matrix products use OpenBLAS (LD_PRELOAD)%s",
+                 f", its {coretype} kernels (OPENBLAS_CORETYPE)" if coretype else "")
     else:
         log.warning("MLX on Linux CPU is using its slow reference BLAS. Install OpenBLAS for a 30-60x "
                     "faster CPU path: %s", INSTALL_HINT)
 
 
 if __name__ == "__main__":
-    # `eval "$(python -m flow.blas)"` in a shell: export LD_PRELOAD when OpenBLAS is available.
+    # `eval "$(python -m flow.blas)"` in a shell: export LD_PRELOAD (and OPENBLAS_CORETYPE where OpenBLAS would
+    # pick a weak kernel) when OpenBLAS is available.
     import shlex
 
     found = preload_env()
     if found is not None:
-        print(f"export LD_PRELOAD={shlex.quote(found['LD_PRELOAD'])}")
+        for name in ("LD_PRELOAD", "OPENBLAS_CORETYPE"):
+            if name in found and found.get(name) != os.environ.get(name):
+                print(f"export {name}={shlex.quote(found[name])}")
