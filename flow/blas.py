@@ -15,11 +15,11 @@ newer OpenBLAS would pick itself. A ``OPENBLAS_CORETYPE`` already set is kept.
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import logging
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -94,26 +94,39 @@ def kernel_override(library_core: str, flags: frozenset[str]) -> str | None:
     return X86_KERNELS[len(X86_KERNELS) - best][0]
 
 
-def library_core(path: str) -> str | None:
-    """The kernel family the OpenBLAS at ``path`` (or the libopenblas beside it) picks on this machine, as
-    ``openblas_get_corename`` reports it; None where the library cannot be asked."""
-    for candidate in (path, str(Path(path).with_name("libopenblas.so.0"))):
-        try:
-            library = ctypes.CDLL(candidate, mode=os.RTLD_LOCAL)
-            corename = library.openblas_get_corename
-        except (OSError, AttributeError):
-            continue
-        corename.restype = ctypes.c_char_p
-        name = corename()
-        return name.decode() if isinstance(name, bytes) else None
-    return None
+# Asked in a fresh interpreter: OpenBLAS picks its kernels once, when it is loaded, so a process that has it
+# loaded already (under another OPENBLAS_CORETYPE) would answer for itself, not for the process to be started.
+_ASK_CORE = """
+import ctypes, os, sys
+from pathlib import Path
+for candidate in (sys.argv[1], str(Path(sys.argv[1]).with_name("libopenblas.so.0"))):
+    try:
+        corename = ctypes.CDLL(candidate, mode=os.RTLD_LOCAL).openblas_get_corename
+    except (OSError, AttributeError):
+        continue
+    corename.restype = ctypes.c_char_p
+    print((corename() or b"").decode())
+    break
+"""
+
+
+def library_core(path: str, env: dict[str, str] | None = None) -> str | None:
+    """The kernel family the OpenBLAS at ``path`` (or the libopenblas beside it) picks on this machine under
+    ``env`` (default: this process's), as ``openblas_get_corename`` reports it; None where it cannot be asked."""
+    try:
+        answer = subprocess.run([sys.executable, "-I", "-S", "-c", _ASK_CORE, path], env=env, capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return answer.stdout.strip() or None
 
 
 def coretype_env(path: str, env: dict[str, str]) -> str | None:
     """The kernel to name for the OpenBLAS at ``path``, or None (not x86-64, already named, or well chosen)."""
     if platform.machine() not in ("x86_64", "AMD64") or env.get("OPENBLAS_CORETYPE"):
         return None
-    core = library_core(path)
+    ask = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+    core = library_core(path, ask)
     return None if core is None else kernel_override(core, cpu_flags())
 
 
