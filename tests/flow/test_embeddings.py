@@ -161,7 +161,10 @@ def test_the_openai_sdk_base64_token_ids(server: RunningServer) -> None:
     default = client.embeddings.create(model="bert", input=TEXTS)  # the SDK asks for base64 and decodes it
     assert np.allclose([d.embedding for d in floats.data], [d.embedding for d in default.data], atol=0)
     raw = embed(server, model="bert", input="hello world", encoding_format="base64").json()["data"][0]["embedding"]
-    assert np.allclose(np.frombuffer(base64.b64decode(raw), dtype="<f4"), floats.data[0].embedding, atol=0)
+    # alone, not in TEXTS' pass: BLAS kernels may round the last bit differently for another batch size
+    decoded = np.frombuffer(base64.b64decode(raw), dtype="<f4")
+    assert decoded.shape == (len(floats.data[0].embedding),)
+    assert np.abs(decoded - np.array(floats.data[0].embedding)).max() < 1e-6
     tokenizer = next(m for m in server.server.models if m.name == "bert").embedding.tokenizer  # type: ignore[union-attr]
     ids = tokenizer("hello world", add_special_tokens=False)["input_ids"]
     by_ids = embed(server, model="bert", input=ids).json()["data"][0]["embedding"]
