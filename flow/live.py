@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from flow import heap
 from flow.compiler import CompiledGraph, CompiledResource, Route
 from flow.resource import Links, Resource
 from flow.runner import RouteRunner
@@ -393,3 +394,4 @@ class LiveGraph:
                         resource.close()
                     except Exception:
                         log.exception("closing resource %s failed", resource.id)
+        heap.thaw()

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 import trio
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flow import heap
 from flow.adapters import AdapterRegistry
 from flow.capabilities import CapabilityStore, family_from_capabilities
 from flow.cluster import Cluster, ClusterError, Placement
@@ -328,6 +329,7 @@ class ModelResource(Resource):
             if self.pool is not None:
                 await self.pool.make_room(self)
             await self._load(self._device)
+            heap.settle()  # the model is long-lived: out of the cycle collector's full scans
         except BaseException as exc:
             self._load_error = exc
             raise
@@ -677,6 +679,7 @@ class ModelResource(Resource):
 
             await trio.to_thread.run_sync(unload_model, loaded, loaded.engine.device)
             log.info("model %s unloaded (%.0f MiB freed)", self.name, loaded.weight_bytes / 2**20)
+        heap.release()  # the unloaded model's cycles were frozen with it
 
     def close(self) -> None:
         if self.cluster is not None:
