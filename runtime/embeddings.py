@@ -20,10 +20,10 @@ forward pass from the inputs waiting:
   large one). Other passes take inputs **round-robin across requests**, one from
   each in turn, the request served longest ago first.
 
-A pass holding a large job's inputs is computed block by block (its repeated blocks checkpointed, as a sliced
-job's are: :mod:`runtime.sliced_jobs`), and between two blocks the waiting requests a short pass can finish get
-that pass at once (*preemption*): a one-sentence query waits for one block of a 2,000-input job's pass, not
-for the whole pass. What such passes take is bounded by the large pass's own time, so the large job still gets
+A pass holding a large job's inputs is computed piece by piece (its repeated blocks and their parts — a BERT
+layer's attention and feed-forward — checkpointed, as a sliced job's are: :mod:`runtime.sliced_jobs`), and between
+two pieces the waiting requests a short pass can finish get that pass at once (*preemption*): a one-sentence query
+waits for a part of one layer of a 2,000-input job's pass, not for the whole pass. What such passes take is bounded by the large pass's own time, so the large job still gets
 half the device or more. (The model holds the embedder through its checkpoints: unloading drops ``model``.)
 
 A request's inputs are queued shortest first, so its passes waste little padding; and a pass's inputs are
@@ -56,7 +56,7 @@ import numpy as np
 
 from runtime.device import DeviceThread, JobQueue
 from runtime.pass_cost import PassCost, idle_pass_cost
-from runtime.sliced_jobs import repeated_blocks, with_checkpoint
+from runtime.sliced_jobs import checkpoint_children, repeated_blocks, with_checkpoint
 from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, read_profile
 from runtime.models import ModelNotAvailable
 
@@ -161,6 +161,9 @@ class Embedder(JobQueue[_Job]):
         blocks = repeated_blocks(model)
         for block in blocks:
             with_checkpoint(block, self._between_blocks, evaluate=lambda: self._preempting)
+            # and its parts (a BERT layer's attention, feed-forward in and out): a newcomer waits for a part of a
+            # layer, not a whole one
+            checkpoint_children(block, self._between_blocks, depth=1, evaluate=lambda: self._preempting)
         self.blocks = len(blocks)
         device.add_stepper(self)
 

@@ -265,13 +265,15 @@ def repeated_blocks(model: Any) -> list[Any]:
     return best
 
 
-def checkpoint_children(module: Any, checkpoint: Callable[[], None], depth: int) -> None:
+def checkpoint_children(module: Any, checkpoint: Callable[[], None], depth: int,
+                        evaluate: bool | Callable[[], bool] = False) -> None:
     """Checkpoints on ``module``'s sub-modules down to ``depth`` levels (a text-to-speech model's language model
-    calls its embedding once per generated token; its decoder once per sentence)."""
+    calls its embedding once per generated token; its decoder once per sentence); ``evaluate`` as
+    :func:`with_checkpoint` takes it."""
     from mlx.nn.layers.base import Module
 
     for child in module.children().values():
         if issubclass(type(child), Module):  # not a module compiled by mx.compile (it passes isinstance)
-            with_checkpoint(child, checkpoint)
+            with_checkpoint(child, checkpoint, evaluate)
             if depth > 1:
-                checkpoint_children(child, checkpoint, depth - 1)
+                checkpoint_children(child, checkpoint, depth - 1, evaluate)

@@ -117,3 +117,42 @@ def test_preemption_is_bounded_by_the_large_passs_own_time() -> None:
     assert e.preemptions == 1 and not e.late.done()  # the first served, the second waits for the pass's end
     e.step()  # a short pass for it before the large job goes on
     assert e.late.done() and e.preemptions == 1
+
+
+class _ArrivingInsideALayer(Embedder):
+    """An embedder that counts the checkpoints a large pass passes, and to whom a one-input request arrives at
+    the ``arrive_at``-th: in the first layer, after its attention, before its feed-forward."""
+
+    arrive_at = 3  # the layer's own checkpoint, then its attention's, then its feed-forward's
+    seen = 0
+    arriving: list[int] = []
+    late: Any = None
+
+    def _between_blocks(self) -> None:
+        if self._preempting:
+            self.seen += 1
+            if self.seen == self.arrive_at:
+                self.late = self.submit([self.arriving])
+        super()._between_blocks()
+
+
+def test_a_large_pass_is_preempted_inside_a_layer_too() -> None:
+    """A layer's parts are checkpointed as well as the layer: a request waits for the attention or the
+    feed-forward under way, not for a whole layer of the large pass."""
+    model, tokenizer = _load("tiny-bert")
+    big_ids = [list(tokenizer(f"document {i} about the harbour")["input_ids"]) for i in range(40)]
+    short_ids = list(tokenizer("a query in the middle")["input_ids"])
+    e = _ArrivingInsideALayer(model, _Device(), int(tokenizer.pad_token_id or 0), 32,  # type: ignore[arg-type]
+                              pass_tokens=8 * max(map(len, big_ids)), pass_seconds=0.1)
+    e.arriving = short_ids
+    big = e.submit(big_ids)
+    e.step()
+    layers = repeated_blocks(model)
+    parts = len(layers[0].children())  # BERT: attention, intermediate, output
+    assert parts == 3 and e.seen == len(layers) * (1 + parts)
+    assert e.late.done() and e.preemptions == 1 and not big.done()
+    assert np.abs(e.late.result()[0] - _alone(model, short_ids)).max() < 1e-5
+    while not big.done():
+        e.step()
+    expected = np.stack([_alone(model, ids) for ids in big_ids])
+    assert np.abs(big.result() - expected).max() < 1e-5
