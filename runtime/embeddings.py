@@ -152,6 +152,8 @@ class Embedder(JobQueue[_Job]):
         # preemption: the pass under way serves newcomers between its blocks, for at most this many seconds more
         self._preempting = False
         self._preemption_allowance = 0.0
+        self._pass_started = 0.0  # perf_counter when the preemptible pass under way began
+        self._pass_preempted = 0.0  # device time of the passes run between its pieces so far
         self._preemption_seconds = 0.0  # device time of the passes run between blocks, all told
         self.preemptions = 0
         self.passes = 0
@@ -284,6 +286,7 @@ class Embedder(JobQueue[_Job]):
             overhead, per_token = self.cost.fit()
             padded = max(len(job.inputs[i]) for job, i in chosen) * len(chosen)
             self._preemption_allowance = max(self.pass_seconds, overhead + per_token * padded)
+            self._pass_started, self._pass_preempted = time.perf_counter(), 0.0
             self._preempting = True
         try:
             self._run(chosen)
@@ -302,6 +305,13 @@ class Embedder(JobQueue[_Job]):
         requests that arrived during it — that pass now."""
         if not self._preempting or self._preemption_allowance <= 0:
             return
+        # Paced: what the passes between pieces took stays within what the large pass itself has computed so
+        # far, plus one short pass's fixed cost. A client asking back to back then gets a pass every piece or
+        # two, the large job going on in between, instead of every piece until the allowance is spent and then
+        # nothing until the large pass ends.
+        own = time.perf_counter() - self._pass_started - self._pass_preempted
+        if self._pass_preempted > own + self.cost.fit()[0]:
+            return
         with self._lock:
             budget = self.budget(self.pass_seconds)
             ring = [job for job in self._jobs if job.order and not job.future.cancelled() and not _large(job, budget)]
@@ -316,6 +326,7 @@ class Embedder(JobQueue[_Job]):
             seconds = time.perf_counter() - started
             self._preemption_seconds += seconds
             self._preemption_allowance -= seconds
+            self._pass_preempted += seconds
             self._preempting = True
         self.preemptions += 1
 

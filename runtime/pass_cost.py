@@ -3,6 +3,7 @@ and splits its passes by it, and speculative decoding decides from it whether a 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -71,6 +72,8 @@ class PassCost:
         if self.passes == 0:
             return None
         overhead, per_token = self.fit()
+        if per_token <= 0:  # passes too quick for the clock: no bound from time
+            return sys.maxsize
         return int((seconds - overhead) / per_token)
 
 

@@ -156,3 +156,66 @@ def test_a_large_pass_is_preempted_inside_a_layer_too() -> None:
         e.step()
     expected = np.stack([_alone(model, ids) for ids in big_ids])
     assert np.abs(big.result() - expected).max() < 1e-5
+
+
+class _BackToBack(Embedder):
+    """A client that asks again as soon as it is answered, on a clock the test drives: each piece of the large
+    pass takes ``PIECE`` seconds, each short pass ``SHORT``; ``served_at`` records (own seconds of the large pass,
+    seconds preempted before) at each short pass."""
+
+    PIECE, SHORT = 0.002, 0.004
+    now = 0.0
+    query: list[int] = []
+    pending: Any = None
+    pieces = 0
+    served_at: list[tuple[float, float]] = []
+
+    short_running = False
+    in_checkpoint = False
+
+    def _between_blocks(self) -> None:
+        if self._preempting:
+            self.pieces += 1
+            type(self).now += self.PIECE  # the piece before this checkpoint was computed
+            if self.pending is None or self.pending.done():
+                self.pending = self.submit([self.query])
+        elif self.short_running:
+            type(self).now += self.SHORT / 8  # a short pass passes the same checkpoints (tiny-bert: 2 layers)
+        was, self.in_checkpoint = self.in_checkpoint, True
+        try:
+            super()._between_blocks()
+        finally:
+            self.in_checkpoint = was
+
+    def _run(self, chosen: list[Any]) -> None:
+        if self.in_checkpoint:  # a short pass between two pieces of the large one
+            own = type(self).now - self._pass_started - self._pass_preempted
+            self.served_at.append((own, self._pass_preempted))
+            self.short_running = True
+        try:
+            super()._run(chosen)
+        finally:
+            self.short_running = False
+
+
+def test_a_client_asking_back_to_back_is_paced_through_the_large_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes between pieces never take more than the large pass has computed, plus one short pass's fixed cost:
+    the large job keeps half the device, and a client asking back to back is served all along the pass rather
+    than at every piece until an allowance runs out and then not until the pass ends."""
+    import runtime.embeddings as embeddings
+
+    monkeypatch.setattr(embeddings.time, "perf_counter", lambda: _BackToBack.now)
+    model, tokenizer = _load("tiny-bert")
+    big_ids = [list(tokenizer(f"document {i} about the station")["input_ids"]) for i in range(40)]
+    fixed = _BackToBack.SHORT
+    e = _BackToBack(model, _Device(), int(tokenizer.pad_token_id or 0), 32,  # type: ignore[arg-type]
+                    pass_tokens=8 * max(map(len, big_ids)), pass_seconds=0.1, idle_cost=(fixed, 1e-9))
+    e.query = list(tokenizer("are you there")["input_ids"])
+    e.served_at = []
+    big = e.submit(big_ids)
+    e.step()  # the large job's first pass: each layer and its 3 parts checkpointed
+    assert e.pieces == 4 * len(repeated_blocks(model)) and not big.done()
+    assert 3 <= len(e.served_at) < e.pieces  # served along the way, not at every piece
+    for own, preempted in e.served_at:
+        assert preempted <= own + fixed + 1e-9
+    assert e.served_at[-1][0] >= 0.6 * e.pieces * e.PIECE  # still served near the pass's end
