@@ -202,9 +202,9 @@ def test_a_client_asking_back_to_back_is_paced_through_the_large_pass(monkeypatc
     """Passes between pieces never take more than the large pass has computed, plus one short pass's fixed cost:
     the large job keeps half the device, and a client asking back to back is served all along the pass rather
     than at every piece until an allowance runs out and then not until the pass ends."""
-    import runtime.embeddings as embeddings
+    import time
 
-    monkeypatch.setattr(embeddings.time, "perf_counter", lambda: _BackToBack.now)
+    monkeypatch.setattr(time, "perf_counter", lambda: _BackToBack.now)  # the embedder's clock
     model, tokenizer = _load("tiny-bert")
     big_ids = [list(tokenizer(f"document {i} about the station")["input_ids"]) for i in range(40)]
     fixed = _BackToBack.SHORT
