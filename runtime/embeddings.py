@@ -18,7 +18,9 @@ forward pass from the inputs waiting:
   2,000-input job — get a pass of their own before the large job goes on (never
   two such passes in a row, so a stream of small requests cannot starve the
   large one). Other passes take inputs **round-robin across requests**, one from
-  each in turn, the request served longest ago first.
+  each in turn, the request served longest ago first — across the large jobs
+  only where the model can be preempted: the requests a short pass can finish
+  are then served between the large pass's pieces (below), not at its end.
 
 A pass holding a large job's inputs is computed piece by piece (its repeated blocks and their parts — a BERT
 layer's attention and feed-forward — checkpointed, as a sliced job's are: :mod:`runtime.sliced_jobs`), and between
@@ -198,15 +200,20 @@ class Embedder(JobQueue[_Job]):
             budget = self.budget(self.pass_seconds)
             # not one solo pass because all that waits fits in one: a large job's last inputs would make a pass
             # of up to SOLO_PASS_SECONDS, and a newcomer would wait for one of its (long) blocks
+            # a pass that holds a large job is preemptible: the requests a short pass can finish stay out of it and
+            # are served between its pieces, not at its end
+            apart = [job for job in ring if _large(job, budget)] if self.blocks > 1 else []
+            if not 0 < len(apart) < len(ring):
+                apart = ring
             if not any(_padded(job) > budget for job in ring):
-                return self._take(ring, solo)  # many small requests and no large job: short passes would only slow all
+                return self._take(apart, solo)  # many small requests and no large job: short passes would only slow all
             if not self._last_pass_finishing:
                 finishing = self._finishing(ring, budget)
                 if finishing and len(finishing) < len(ring):
                     self._last_pass_finishing = True
                     return self._take(finishing, budget)
             self._last_pass_finishing = False
-            return self._take(ring, budget)
+            return self._take(apart, budget)
 
     def _gathering(self) -> bool:
         """Wait before a pass while requests stream in (another arrived just before the newest waiting one) and

@@ -219,3 +219,24 @@ def test_a_client_asking_back_to_back_is_paced_through_the_large_pass(monkeypatc
     for own, preempted in e.served_at:
         assert preempted <= own + fixed + 1e-9
     assert e.served_at[-1][0] >= 0.6 * e.pieces * e.PIECE  # still served near the pass's end
+
+
+def test_a_short_request_is_not_packed_into_a_large_pass_but_served_between_its_pieces() -> None:
+    """A request a short pass can finish, waiting when a large job's pass is formed, stays out of it: it would
+    wait for that whole pass; between the pass's pieces it is served at the first checkpoint."""
+    model, tokenizer = _load("tiny-bert")
+    big_ids = [list(tokenizer(f"document {i} about the bridge")["input_ids"]) for i in range(40)]
+    e = _embedder(model, tokenizer, pass_tokens=8 * max(map(len, big_ids)))
+    big = e.submit(big_ids)
+    first = e.submit([list(tokenizer("first query")["input_ids"])])
+    e.step()  # a short pass for the newcomer before the large job goes on
+    assert first.done() and e.preemptions == 0 and e.passes == 1
+    second_ids = list(tokenizer("second query")["input_ids"])
+    second = e.submit([second_ids])
+    e.step()  # the large job's pass; the second query waits outside it
+    assert second.done() and e.preemptions == 1 and not big.done()
+    assert np.abs(second.result()[0] - _alone(model, second_ids)).max() < 1e-5
+    while not big.done():
+        e.step()
+    expected = np.stack([_alone(model, ids) for ids in big_ids])
+    assert np.abs(big.result() - expected).max() < 1e-5
