@@ -25,8 +25,8 @@ forward pass from the inputs waiting:
 A pass holding a large job's inputs is computed piece by piece (its repeated blocks and their parts — a BERT
 layer's attention and feed-forward — checkpointed, as a sliced job's are: :mod:`runtime.sliced_jobs`), and between
 two pieces the waiting requests a short pass can finish get that pass at once (*preemption*): a one-sentence query
-waits for a part of one layer of a 2,000-input job's pass, not for the whole pass. What such passes take is bounded by the large pass's own time, so the large job still gets
-half the device or more. (The model holds the embedder through its checkpoints: unloading drops ``model``.)
+waits for a part of one layer of a 2,000-input job's pass, not for the whole pass. What such passes take is paced
+by the large pass's own time so far, so the large job still gets half the device or more. (The model holds the embedder through its checkpoints: unloading drops ``model``.)
 
 A request's inputs are queued shortest first, so its passes waste little padding; and a pass's inputs are
 split into forward passes of similar lengths where one more pass's fixed cost (measured at load on the idle
@@ -198,13 +198,13 @@ class Embedder(JobQueue[_Job]):
             if not self._contended(ring):
                 return self._take(ring, solo)  # nobody waits behind this pass: make it efficient
             budget = self.budget(self.pass_seconds)
-            # not one solo pass because all that waits fits in one: a large job's last inputs would make a pass
-            # of up to SOLO_PASS_SECONDS, and a newcomer would wait for one of its (long) blocks
             # a pass that holds a large job is preemptible: the requests a short pass can finish stay out of it and
             # are served between its pieces, not at its end
             apart = [job for job in ring if _large(job, budget)] if self.blocks > 1 else []
             if not 0 < len(apart) < len(ring):
                 apart = ring
+            # not one solo pass because all that waits fits in one: a large job's last inputs would make a pass
+            # of up to SOLO_PASS_SECONDS, and a newcomer would wait for one of its (long) blocks
             if not any(_padded(job) > budget for job in ring):
                 return self._take(apart, solo)  # many small requests and no large job: short passes would only slow all
             if not self._last_pass_finishing:
