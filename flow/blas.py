@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 log = logging.getLogger("flow.blas")
@@ -54,13 +55,13 @@ def find_openblas() -> str | None:
     return None
 
 
-def openblas_active(env: dict[str, str] | None = None) -> bool:
-    preload = (os.environ if env is None else env).get("LD_PRELOAD", "")
-    return any("blas" in p for p in preload.split(":") if p)
-
-
-def preloaded_path(env: dict[str, str]) -> str | None:
+def preloaded_path(env: Mapping[str, str]) -> str | None:
+    """The BLAS library ``env`` preloads, if any."""
     return next((p for p in env.get("LD_PRELOAD", "").split(":") if "blas" in p), None)
+
+
+def openblas_active() -> bool:
+    return preloaded_path(os.environ) is not None
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -76,22 +77,14 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def _tier(core: str | None = None, flags: frozenset[str] | None = None) -> int:
-    """How good a kernel family is (higher is better): of a core name OpenBLAS reports, or the best the flags
-    allow; 0 for anything older than the families listed."""
-    for rank, (_, needs, names) in enumerate(X86_KERNELS):
-        if (core is not None and core.lower() in names) or (flags is not None and needs <= flags):
-            return len(X86_KERNELS) - rank
-    return 0
-
-
 def kernel_override(library_core: str, flags: frozenset[str]) -> str | None:
     """The ``OPENBLAS_CORETYPE`` to set: the best x86-64 kernel family ``flags`` allow, where OpenBLAS chose a
-    weaker one (``library_core``); None where its own choice is as good."""
-    best = _tier(flags=flags)
-    if best <= _tier(core=library_core):
-        return None
-    return X86_KERNELS[len(X86_KERNELS) - best][0]
+    weaker one (``library_core``); None where its own choice is as good. (Families are ranked by their place in
+    :data:`X86_KERNELS`; a core name it does not list ranks below them all.)"""
+    allowed = next((rank for rank, (_, needs, _) in enumerate(X86_KERNELS) if needs <= flags), None)
+    chosen = next((rank for rank, (_, _, names) in enumerate(X86_KERNELS) if library_core.lower() in names),
+                  len(X86_KERNELS))
+    return None if allowed is None or allowed >= chosen else X86_KERNELS[allowed][0]
 
 
 # Asked in a fresh interpreter: OpenBLAS picks its kernels once, when it is loaded, so a process that has it

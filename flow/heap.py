@@ -24,7 +24,8 @@ def settle() -> None:
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
-    log.debug("heap settled: %d objects frozen (%.0f ms)", gc.get_freeze_count(), 1000 * (time.perf_counter() - started))
+    log.debug("heap settled: %d objects frozen (%.0f ms)", gc.get_freeze_count(),
+              1000 * (time.perf_counter() - started))
 
 
 def release() -> None:

@@ -26,7 +26,8 @@ A pass holding a large job's inputs is computed piece by piece (its repeated blo
 layer's attention and feed-forward — checkpointed, as a sliced job's are: :mod:`runtime.sliced_jobs`), and between
 two pieces the waiting requests a short pass can finish get that pass at once (*preemption*): a one-sentence query
 waits for a part of one layer of a 2,000-input job's pass, not for the whole pass. What such passes take is paced
-by the large pass's own time so far, so the large job still gets half the device or more. (The model holds the embedder through its checkpoints: unloading drops ``model``.)
+by the large pass's own time so far, so the large job still gets half the device or more. (The model holds the
+embedder through its checkpoints: unloading drops ``model``.)
 
 A request's inputs are queued shortest first, so its passes waste little padding; and a pass's inputs are
 split into forward passes of similar lengths where one more pass's fixed cost (measured at load on the idle
