@@ -16,6 +16,9 @@ When no stepper has work the loop blocks on the job queue, so an idle server
 uses no CPU. Steppers wake the loop with :meth:`DeviceThread.wake` when a
 sequence is submitted from trio.
 
+Freed MLX buffers are kept for reuse while the device works, and given back to
+the system once it has idled for ``IDLE_RELEASE_SECONDS`` (:func:`keep_buffers`).
+
 Trio code waits for a job with :func:`wait_future`, which crosses back into trio
 through the run's :class:`trio.lowlevel.TrioToken` — never by polling.
 """
@@ -55,6 +58,24 @@ class DeviceLost(RuntimeError):
 
 
 _WAKE = object()
+
+# An idle device gives its cached MLX buffers back to the system after this long: a burst of work keeps them,
+# a server left idle holds no more than its weights.
+IDLE_RELEASE_SECONDS = 2.0
+
+
+def keep_buffers() -> int:
+    """Let MLX keep freed buffers for reuse up to its memory limit, as it does on a Mac's GPU; returns the cache
+    limit set. On the CPU MLX keeps only 32 MB. A forward pass frees and allocates its activations again at
+    every layer, and past those 32 MB each buffer is a ``malloc`` the kernel maps afresh and zeroes, page by
+    page: all-MiniLM-L6-v2 on 64 inputs of 40 tokens took 1.45 million page faults and 700–770 ms a pass, 45
+    thousand and 580–610 ms with the buffers kept. The device thread releases the cache when it idles."""
+    import mlx.core as mx
+
+    limit = int(mx.get_memory_limit())
+    if mx.default_device().type == mx.DeviceType.cpu and limit > 0:
+        mx.set_cache_limit(limit)
+    return limit
 
 
 class DeviceThread:
@@ -152,6 +173,7 @@ class DeviceThread:
         import mlx.core as mx
 
         self.stream = mx.new_stream(mx.default_device())
+        keep_buffers()
         with mx.stream(self.stream):
             while not self._stop.is_set():
                 with self._lock:
@@ -165,9 +187,12 @@ class DeviceThread:
 
     def _run_jobs(self, block: bool) -> None:
         try:
-            item = self._jobs.get(block=block)
+            item = self._jobs.get(block=block, timeout=IDLE_RELEASE_SECONDS if block else None)
         except queue.Empty:
-            return
+            if not block:
+                return
+            self._release_buffers()
+            item = self._jobs.get()
         while True:
             if item is not _WAKE:
                 fn, future = item
@@ -180,6 +205,16 @@ class DeviceThread:
                 item = self._jobs.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _release_buffers() -> None:
+        """The device has idled: hand MLX's cached buffers back to the system."""
+        import mlx.core as mx
+
+        cached = mx.get_cache_memory()
+        if cached:
+            mx.clear_cache()
+            log.debug("device idle: released %.1f MB of cached buffers", cached / 2**20)
 
 
 async def wait_future(future: concurrent.futures.Future[T]) -> T:

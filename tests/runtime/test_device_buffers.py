@@ -1,0 +1,46 @@
+"""The device thread keeps MLX's freed buffers while it works and gives them back once it idles."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import pytest
+
+import runtime.device
+from runtime.device import DeviceThread, keep_buffers
+
+MB = 2**20
+
+
+def test_the_cpu_keeps_freed_buffers_up_to_the_memory_limit() -> None:
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("MLX's GPU backends keep their buffers already")
+    limit = keep_buffers()
+    assert limit == mx.get_memory_limit() > 32 * MB  # MLX's own CPU default would be 32 MB
+    assert mx.set_cache_limit(limit) == limit
+
+
+def test_an_idle_device_releases_its_cached_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("the cache policy is the CPU's")
+    monkeypatch.setattr(runtime.device, "IDLE_RELEASE_SECONDS", 0.3)
+    device = DeviceThread("test-buffers")
+    try:
+        def allocate_and_free() -> int:
+            # 48 MB in 12 MB buffers: more than MLX's default CPU cache of 32 MB holds
+            arrays = [mx.ones((3 * MB,), dtype=mx.float32) for _ in range(4)]
+            mx.eval(*arrays)
+            del arrays
+            return int(mx.get_cache_memory())
+
+        kept = device.call(allocate_and_free)
+        assert kept >= 48 * MB
+        deadline = time.monotonic() + 10
+        while mx.get_cache_memory() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mx.get_cache_memory() == 0
+        # and it still works after releasing: the next job allocates afresh
+        assert device.call(lambda: mx.ones((4,)).sum().item()) == 4.0
+    finally:
+        device.stop()
