@@ -3,19 +3,22 @@
     python scripts/bench_embeddings.py --model DIR_OR_tiny:PRESET [--clients 64] [--requests 32]
 
 A real ``flow serve`` (subprocess; the default graph with the embedding model added) and, in this process
-before the server starts, the two baselines on the same sentences:
+while the server idles, the baselines on the same sentences:
 
 * **naive**: a loop of direct ``mlx_embeddings`` calls, one input per call (what a server without batching
   does at best);
 * **batched**: direct calls of 64 inputs each (the ceiling);
 * **batched, as flow runs the model**: the same, after flow's load-time changes (on the CPU, a faster GELU).
 
-The baselines are each the best of three runs (the ceilings they stand for; on a shared machine a run can be
-slowed, never sped up).
+The machine's speed drifts from minute to minute (on a shared 2-core VM, by up to 1.5x), so the throughput
+comparison runs in ``--rounds`` rounds, each the naive loop, then flow under the concurrent clients, then the
+batched calls; every round gives its own ratios, and the summary is their median. Both sides get the same
+statistic: one measurement per round each.
 
-Runs: ``--clients`` concurrent clients each sending ``--requests`` requests of one short sentence (inputs/s,
-p50/p95 latency); then one client embedding 2,048 sentences in one request, alone, and again while another
-sends one short sentence at a time (its p50/p95 against the same client on the idle server). The large job's
+In each round, ``--clients`` concurrent clients each send ``--requests`` requests of one short sentence
+(inputs/s, p50/p95 latency). Then, ``--job-rounds`` times, one client embeds 2,048 sentences in one request,
+alone, and again while another sends one short sentence at a time, ``--short-interval`` seconds apart: its
+p50/p95 beside the job against the same client, asking at the same pace, on the idle server. The large job's
 client runs in a process of its own: reading its 2,048 vectors in this process would hold the one-sentence
 client's thread.
 Real weights: ``python ../shared/tools/fetch_real_models.py DIR --models all-minilm-l6-v2``.
@@ -28,6 +31,7 @@ import asyncio
 import concurrent.futures
 import functools
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -65,36 +69,36 @@ def model_path(ref: str) -> Path:
     return Path(ref).expanduser()
 
 
-def direct(path: Path, texts: list[str]) -> dict[str, float]:
-    """Inputs/s of the naive loop and of 64-input batched calls, in this process (the server idles); and of the
-    batched calls again with the model as flow runs it (on the CPU, flow's GELU: ``runtime/cpu_activations``)."""
-    import mlx.core as mx
-    from mlx_embeddings.utils import load
+class Direct:
+    """Direct ``mlx_embeddings`` calls in this process: the model as mlx-embeddings loads it, and again as flow
+    runs it (on the CPU, flow's GELU: ``runtime/cpu_activations``)."""
 
-    from runtime.cpu_activations import use_fast_gelu
+    def __init__(self, path: Path) -> None:
+        from mlx_embeddings.utils import load
 
-    model, wrapper = load(str(path))
-    tokenizer = wrapper._tokenizer
+        from runtime.cpu_activations import use_fast_gelu
 
-    def run(batch: list[str]) -> None:
-        encoded = tokenizer(batch, padding=True, return_tensors="np")
-        out = model(mx.array(encoded["input_ids"]), attention_mask=mx.array(encoded["attention_mask"]))
-        mx.eval(out.text_embeds)
+        self.model, wrapper = load(str(path))
+        self.tokenizer = wrapper._tokenizer
+        self.flow_model, _ = load(str(path))
+        self.swapped = use_fast_gelu(self.flow_model) > 0
 
-    def rate(size: int, count: int) -> float:
-        run(texts[:size])  # warm-up
-        best = 0.0
-        for _ in range(3):
-            started = time.perf_counter()
-            for i in range(0, count, size):
-                run(texts[i:i + size])
-            best = max(best, count / (time.perf_counter() - started))
-        return best
+    def rate(self, texts: list[str], size: int, count: int, as_flow: bool = False) -> float:
+        """Inputs/s embedding ``count`` of ``texts``, ``size`` per call (after one warm-up call)."""
+        import mlx.core as mx
 
-    naive, batched = rate(1, min(len(texts), 256)), rate(64, min(len(texts), 1024))
-    swapped = use_fast_gelu(model)
-    return {"naive": naive, "batched": batched,
-            "batched_flow": rate(64, min(len(texts), 1024)) if swapped else batched}
+        model = self.flow_model if as_flow else self.model
+
+        def run(batch: list[str]) -> None:
+            encoded = self.tokenizer(batch, padding=True, return_tensors="np")
+            out = model(mx.array(encoded["input_ids"]), attention_mask=mx.array(encoded["attention_mask"]))
+            mx.eval(out.text_embeds)
+
+        run(texts[:size])
+        started = time.perf_counter()
+        for i in range(0, count, size):
+            run(texts[i:i + size])
+        return count / (time.perf_counter() - started)
 
 
 def free_port() -> int:
@@ -231,49 +235,79 @@ def main() -> None:
     parser.add_argument("--short-interval", type=float, default=0.0,
                         help="seconds between the one-sentence client's requests during the large job (0: back to "
                              "back, a stress pattern; an interactive user asks every so often)")
+    parser.add_argument("--job-rounds", type=int, default=3,
+                        help="times the 2,048-sentence job runs alone and beside the one-sentence client (more: a "
+                             "steadier p95)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of naive loop / flow / batched calls, alternated; the summary is their median")
     args = parser.parse_args()
     path = model_path(args.model)
     texts = sentences(2048)
     data = Path(tempfile.mkdtemp(prefix="flow-bench-embeddings-"))
-    # The ceilings first, before the server starts: a server just started may still be warming up, and its
-    # process's threads would share the cores with the direct calls.
-    baseline = direct(path, texts[: args.clients * args.requests])
+    direct = Direct(path)
     proc, base = start_server(path, data, args.pass_seconds)
+    rounds: list[dict[str, float]] = []
     try:
         httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[:64]}, timeout=300)  # warm-up
-        load = concurrent_clients(base, texts, args.clients, args.requests, args.client)
-        idle = short_latencies(base, texts, threading.Event(), 50)
-        stop = threading.Event()
+        concurrent_clients(base, texts, args.clients, 4, args.client)  # warm-up: every connection once
+        count = min(len(texts), 1024)
+        for number in range(1, args.rounds + 1):
+            naive = direct.rate(texts, 1, 256)
+            load = concurrent_clients(base, texts, args.clients, args.requests, args.client)
+            batched = direct.rate(texts, 64, count)
+            batched_flow = direct.rate(texts, 64, count, as_flow=True) if direct.swapped else batched
+            rounds.append({**load, "naive": naive, "batched": batched, "batched_flow": batched_flow})
+            print(f"round {number}: flow {load['inputs_per_s']:.1f} inputs/s (p50 {load['p50_ms']:.0f} ms, p95 "
+                  f"{load['p95_ms']:.0f} ms, failed {load['failed']}); naive loop {naive:.1f} -> "
+                  f"{load['inputs_per_s'] / naive:.2f}x; batched 64 {batched:.1f} -> "
+                  f"{load['inputs_per_s'] / batched:.2f}x; as flow runs the model {batched_flow:.1f} -> "
+                  f"{load['inputs_per_s'] / batched_flow:.2f}x", flush=True)
+        # the one-sentence client on the idle server, asking as it will beside the large job: a client asking
+        # back to back finds the device's threads awake, one asking every so often may not
+        idle = short_latencies(base, texts, threading.Event(), 50 * args.job_rounds, args.short_interval)
+        alone: list[float] = []
+        beside: list[float] = []
         during: list[float] = []
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             pool.submit(time.sleep, 0).result()  # the process started before the clock does
-            alone_status, alone_seconds = pool.submit(large_job, base, texts).result()
-            worker = threading.Thread(target=lambda: during.extend(
-                short_latencies(base, texts, stop, 10**6, args.short_interval)))
-            worker.start()
-            big_status, big_seconds = pool.submit(large_job, base, texts).result()
-            stop.set()
-            worker.join()
+            for _ in range(args.job_rounds):
+                status, seconds = pool.submit(large_job, base, texts).result()
+                alone.append(seconds if status == 200 else math.inf)
+                stop = threading.Event()
+                worker = threading.Thread(target=lambda: during.extend(
+                    short_latencies(base, texts, stop, 10**6, args.short_interval)))
+                worker.start()
+                status, seconds = pool.submit(large_job, base, texts).result()
+                beside.append(seconds if status == 200 else math.inf)
+                stop.set()
+                worker.join()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    print(f"model {args.model}: {args.clients} clients x {args.requests} requests of one sentence ({args.client} "
-          f"clients); embed_pass_seconds {args.pass_seconds}")
-    print(f"  flow        {load['inputs_per_s']:8.1f} inputs/s  p50 {load['p50_ms']:.1f} ms  p95 {load['p95_ms']:.1f} ms"
-          f"  failed {load['failed']}")
-    print(f"  naive loop  {baseline['naive']:8.1f} inputs/s   -> flow / naive = {load['inputs_per_s'] / baseline['naive']:.2f}")
-    print(f"  batched 64  {baseline['batched']:8.1f} inputs/s   -> flow / batched = "
-          f"{load['inputs_per_s'] / baseline['batched']:.2f}")
-    print(f"  batched 64, the model as flow runs it  {baseline['batched_flow']:8.1f} inputs/s   -> flow / that = "
-          f"{load['inputs_per_s'] / baseline['batched_flow']:.2f}")
-    print(f"one request of 2,048 sentences alone: {alone_status}, {alone_seconds:.2f} s "
-          f"({2048 / alone_seconds:.1f} inputs/s)")
-    print(f"the same beside a one-sentence client: {big_status}, {big_seconds:.2f} s "
-          f"({2048 / big_seconds:.1f} inputs/s)")
-    print(f"  a one-sentence client meanwhile ({args.short_interval:g} s between requests): {len(during)} requests, p50 {percentile(during, 50):.1f} ms, "
-          f"p95 {percentile(during, 95):.1f} ms; idle p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms"
-          f" -> p95 ratio {percentile(during, 95) / percentile(idle, 95):.2f}")
 
+    def median(key: str) -> float:
+        return float(np.median([r[key] for r in rounds]))
+
+    def ratios(key: str) -> list[float]:
+        """flow's inputs/s over a baseline's, per round."""
+        return [r["inputs_per_s"] / r[key] for r in rounds]
+
+    print(f"model {args.model}: {args.clients} clients x {args.requests} requests of one sentence ({args.client} "
+          f"clients); embed_pass_seconds {args.pass_seconds}; medians of {len(rounds)} rounds")
+    print(f"  flow        {median('inputs_per_s'):8.1f} inputs/s  p50 {median('p50_ms'):.1f} ms  "
+          f"p95 {median('p95_ms'):.1f} ms  failed {sum(r['failed'] for r in rounds):.0f}")
+    for key, label in (("naive", "naive loop "), ("batched", "batched 64 "),
+                       ("batched_flow", "batched 64, the model as flow runs it")):
+        per_round = ", ".join(f"{ratio:.2f}" for ratio in ratios(key))
+        print(f"  {label} {median(key):8.1f} inputs/s   -> flow / that, per round: {per_round}; "
+              f"median {float(np.median(ratios(key))):.2f}")
+    print(f"one request of 2,048 sentences alone, {args.job_rounds} times: "
+          f"{', '.join(f'{2048 / t:.1f}' for t in alone)} inputs/s")
+    print(f"the same beside a one-sentence client: {', '.join(f'{2048 / t:.1f}' for t in beside)} inputs/s")
+    print(f"  the one-sentence client ({args.short_interval:g} s between requests): {len(during)} requests beside "
+          f"the job, p50 {percentile(during, 50):.1f} ms, p95 {percentile(during, 95):.1f} ms; {len(idle)} on the idle "
+          f"server, p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms -> p95 ratio "
+          f"{percentile(during, 95) / percentile(idle, 95):.2f}")
 
 if __name__ == "__main__":
     main()
