@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from flow.metrics import Metric, Registry
 from flow.resources import ModelResource
+from runtime.device import shared_device
 
 if TYPE_CHECKING:
     from flow.server import FlowServer
@@ -103,6 +104,7 @@ class Observer:
             "requests": health["requests"],
             "models": {m["id"]: m for m in health["models"]},
             "resources": {rid: numbers for rid, numbers in stats.items() if numbers is not None},
+            "device": shared_device().stats_json(),
             "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams,
                                           "queued": stages[dst].queued if dst in stages else 0}
                       for (src, dst), e in self._edge_stats().items()},

@@ -18,6 +18,8 @@ sequence is submitted from trio.
 
 Freed MLX buffers are kept for reuse while the device works, and given back to
 the system once it has idled for ``IDLE_RELEASE_SECONDS`` (:func:`keep_buffers`).
+Between steps the loop leaves the event loop a core while it is busy: OpenBLAS
+gets one thread fewer then (:mod:`runtime.blas_threads`).
 
 Trio code waits for a job with :func:`wait_future`, which crosses back into trio
 through the run's :class:`trio.lowlevel.TrioToken` — never by polling.
@@ -34,6 +36,8 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 import trio
+
+from runtime.blas_threads import CoreSharing
 
 log = logging.getLogger("flow.device")
 
@@ -92,6 +96,7 @@ class DeviceThread:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._started = False
         self.stream: Any = None  # the MLX stream, created on the device thread itself
+        self.cores: CoreSharing | None = None  # BLAS threads against the event loop's load (runtime.blas_threads)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -165,6 +170,10 @@ class DeviceThread:
             others = [s for s in self._steppers if s is not stepper]
         return any(s.has_work() for s in others)
 
+    def stats_json(self) -> dict[str, Any]:
+        """The loop's BLAS threads against the event loop's load (empty until the thread has started)."""
+        return self.cores.stats_json() if self.cores is not None else {}
+
     def wake(self) -> None:
         """Make a blocked loop look at its steppers again."""
         self.start()
@@ -176,16 +185,19 @@ class DeviceThread:
 
         self.stream = mx.new_stream(mx.default_device())
         keep_buffers()
+        cores = self.cores = CoreSharing.for_main_thread()
         with mx.stream(self.stream):
             while not self._stop.is_set():
                 with self._lock:
                     busy = [s for s in self._steppers if s.has_work()]
                 self._run_jobs(block=not busy)
+                cores.update()
                 for stepper in busy:
                     try:
                         stepper.step()
                     except Exception:  # a stepper must fail its own sequences, not the thread
                         log.exception("device step failed")
+        cores.restore()
 
     def _run_jobs(self, block: bool) -> None:
         try:
