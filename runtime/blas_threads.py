@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -85,7 +86,10 @@ class CoreSharing:
 
     @classmethod
     def for_main_thread(cls) -> CoreSharing:
-        """Watching the process's main thread, where ``flow serve`` runs its event loop."""
+        """Watching the process's main thread, where ``flow serve`` runs its event loop (``FLOW_BLAS_FOLLOW_LOAD=0``:
+        not at all, OpenBLAS keeps its own count)."""
+        if os.environ.get("FLOW_BLAS_FOLLOW_LOAD", "1") == "0":
+            return cls(None, None)
         return cls(openblas_control(), thread_cpu_clock(threading.main_thread().ident or 0))
 
     @property

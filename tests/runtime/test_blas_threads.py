@@ -118,3 +118,8 @@ def test_the_device_thread_sets_openblas_from_the_main_threads_load() -> None:
     finally:
         device.stop()
         control.set(default)
+
+
+def test_the_setting_can_be_left_to_openblas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOW_BLAS_FOLLOW_LOAD", "0")
+    assert not CoreSharing.for_main_thread().active
