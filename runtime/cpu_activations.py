@@ -126,7 +126,7 @@ class _HalfPlusOddRational:
         return numerator / _product([self._factor(t, f) for f in self.q])
 
     def __call__(self, x: mx.array, y: mx.array) -> mx.array:
-        result: mx.array = x * (0.5 + self.half_rational(y))
+        result: mx.array = (x.astype(mx.float32) * (0.5 + self.half_rational(y))).astype(x.dtype)
         return result
 
 
@@ -157,7 +157,9 @@ class _Gelu:
 
     def __init__(self, argument: Callable[[mx.array], mx.array], clamp: float, p: Sequence[float],
                  q: Sequence[float]) -> None:
-        self._argument = CompiledPerShape(lambda x: mx.clip(argument(x), -clamp, clamp))
+        # float32 inside, whatever the model's dtype: the factors' products pass float16's range (65,504), and
+        # bfloat16's 8-bit mantissa would round every step
+        self._argument = CompiledPerShape(lambda x: mx.clip(argument(x.astype(mx.float32)), -clamp, clamp))
         self._rest = CompiledPerShape(_HalfPlusOddRational(p, q, 0.5, clamp))
 
     def __call__(self, x: mx.array) -> mx.array:

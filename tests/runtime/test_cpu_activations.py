@@ -102,3 +102,18 @@ def test_traces_per_shape_are_bounded_and_stay_correct() -> None:
         x = mx.ones((rows, 5))
         assert np.array(gelu(x)).tolist() == [[2.0] * 5] * rows
         assert len(gelu._shapes) <= 3
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("approx", ["none", "precise", "fast"])
+def test_fast_gelu_of_a_half_precision_model_is_computed_in_float32(approx: str, dtype: mx.Dtype) -> None:
+    """A float16 or bfloat16 model keeps its dtype, and its GELU is as close to the exact one as the dtype allows:
+    at least as close as MLX's own GELU in that dtype (in float16, the factors' products would overflow)."""
+    x = mx.array(np.linspace(-8, 8, 20_001, dtype=np.float32)).astype(dtype)
+    exact = np.array(GELU(approx)(x.astype(mx.float32)))  # type: ignore[no-untyped-call]
+    own = np.array(GELU(approx)(x).astype(mx.float32))  # type: ignore[no-untyped-call]
+    out = FastGELU(approx)(x)
+    assert out.dtype == dtype
+    got = np.array(out.astype(mx.float32))
+    assert np.isfinite(got).all()
+    assert np.abs(got - exact).max() <= np.abs(own - exact).max()
