@@ -47,27 +47,6 @@ _TANH_P = (-2.76076847742355e-16, 2.00018790482477e-13, -8.60467152213735e-11, 5
 _TANH_Q = (1.19825839466702e-06, 1.18534705686654e-04, 2.26843463243900e-03, 4.89352518554385e-03)
 
 
-def _odd_rational(x: mx.array, clamp: float, p: tuple[float, ...], q: tuple[float, ...]) -> mx.array:
-    x = mx.clip(x, -clamp, clamp)
-    x2 = x * x
-    numerator: Any = p[0]
-    for c in p[1:]:
-        numerator = numerator * x2 + c
-    denominator: Any = q[0]
-    for c in q[1:]:
-        denominator = denominator * x2 + c
-    result: mx.array = x * numerator / denominator
-    return result
-
-
-def erf(x: mx.array) -> mx.array:
-    return _odd_rational(x, _ERF_CLAMP, _ERF_P, _ERF_Q)
-
-
-def tanh(x: mx.array) -> mx.array:
-    return _odd_rational(x, _TANH_CLAMP, _TANH_P, _TANH_Q)
-
-
 Factor = tuple[float, ...]  # a monic factor's lower coefficients: (b, c) is t² + b·t + c, (c,) is t + c
 
 
@@ -151,16 +130,30 @@ class CompiledPerShape:
         return result
 
 
+# ½·erf and ½·tanh: the rationals every GELU below uses
+_HALF_ERF = _HalfPlusOddRational(_ERF_P, _ERF_Q, 0.5, _ERF_CLAMP)
+_HALF_TANH = _HalfPlusOddRational(_TANH_P, _TANH_Q, 0.5, _TANH_CLAMP)
+
+
+def erf(x: mx.array) -> mx.array:
+    """erf of float32 ``x``, as GELU computes it (within 5e-7 of the exact values)."""
+    return 2 * _HALF_ERF.half_rational(mx.clip(x, -_ERF_CLAMP, _ERF_CLAMP))  # type: ignore[no-any-return]
+
+
+def tanh(x: mx.array) -> mx.array:
+    """tanh of float32 ``x``, as GELU computes it (within 5e-7 of the exact values)."""
+    return 2 * _HALF_TANH.half_rational(mx.clip(x, -_TANH_CLAMP, _TANH_CLAMP))  # type: ignore[no-any-return]
+
+
 class _Gelu:
     """``x · Φ(x)`` where ``Φ(x) = ½ + ½·f(g(x))`` for an odd ``f`` (erf or tanh) and its argument ``g``:
     the clamped argument in one kernel, the rest in another."""
 
-    def __init__(self, argument: Callable[[mx.array], mx.array], clamp: float, p: Sequence[float],
-                 q: Sequence[float]) -> None:
+    def __init__(self, argument: Callable[[mx.array], mx.array], clamp: float, half: _HalfPlusOddRational) -> None:
         # float32 inside, whatever the model's dtype: the factors' products pass float16's range (65,504), and
         # bfloat16's 8-bit mantissa would round every step
         self._argument = CompiledPerShape(lambda x: mx.clip(argument(x.astype(mx.float32)), -clamp, clamp))
-        self._rest = CompiledPerShape(_HalfPlusOddRational(p, q, 0.5, clamp))
+        self._rest = CompiledPerShape(half)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._rest(x, self._argument(x))
@@ -169,11 +162,11 @@ class _Gelu:
 _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _BY_APPROX = {
     # exact, as nn.gelu: ½ + ½·erf(x / √2)
-    "none": _Gelu(lambda x: x * (1 / math.sqrt(2)), _ERF_CLAMP, _ERF_P, _ERF_Q),
+    "none": _Gelu(lambda x: x * (1 / math.sqrt(2)), _ERF_CLAMP, _HALF_ERF),
     # the tanh approximation, as nn.gelu_approx
-    "precise": _Gelu(lambda x: _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x), _TANH_CLAMP, _TANH_P, _TANH_Q),
+    "precise": _Gelu(lambda x: _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x), _TANH_CLAMP, _HALF_TANH),
     # x · σ(1.702 x), as nn.gelu_fast_approx (σ(z) = ½ + ½·tanh(z / 2))
-    "fast": _Gelu(lambda x: 0.851 * x, _TANH_CLAMP, _TANH_P, _TANH_Q),
+    "fast": _Gelu(lambda x: 0.851 * x, _TANH_CLAMP, _HALF_TANH),
 }
 _BY_APPROX["tanh"] = _BY_APPROX["precise"]
 

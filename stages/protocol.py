@@ -40,19 +40,24 @@ def json_frame(obj: Any) -> WireFrame:
 PIECE_ITEMS = 64
 
 
+def _long(value: Any) -> bool:
+    return isinstance(value, list) and len(value) > PIECE_ITEMS
+
+
 async def dumps_in_pieces(obj: Any) -> bytes:
-    """``dumps(obj)``, the same bytes, with long lists written a piece at a time and the event loop given back
-    between pieces. One ``orjson`` call holds the GIL to its end: 2,048 embedding vectors took 80 ms, during
-    which no other request moved and the device thread could not build its next pass."""
-    if isinstance(obj, dict) and all(isinstance(key, str) for key in obj):
-        fields = [dumps(key) + b":" + await dumps_in_pieces(value) for key, value in obj.items()]
-        return b"{" + b",".join(fields) + b"}"
-    if isinstance(obj, list) and len(obj) > PIECE_ITEMS:
+    """``dumps(obj)``, the same bytes; a long list — the answer itself, or a field of it (the ``data`` of a
+    list answer) — written a piece at a time, the event loop given back between pieces. One ``orjson`` call
+    holds the GIL to its end: 2,048 embedding vectors took 80 ms, during which no other request moved and the
+    device thread could not build its next pass. Anything else is one ``dumps`` call."""
+    if _long(obj):
         pieces = []
         for start in range(0, len(obj), PIECE_ITEMS):
             pieces.append(dumps(obj[start:start + PIECE_ITEMS])[1:-1])
             await trio.lowlevel.checkpoint()
         return b"[" + b",".join(pieces) + b"]"
+    if isinstance(obj, dict) and any(_long(value) for value in obj.values()) and all(isinstance(k, str) for k in obj):
+        fields = [dumps(key) + b":" + await dumps_in_pieces(value) for key, value in obj.items()]
+        return b"{" + b",".join(fields) + b"}"
     return dumps(obj)
 
 
