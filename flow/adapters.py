@@ -5,6 +5,15 @@ The adapters themselves live on the model's engine (:mod:`runtime.adapters`), so
 unloads; this registry outlives loads: each mounted id's directory is remembered, and every adapter is
 mounted again when the model loads again (a model pool evicted it, or it is lazy). Mounting reads and hashes
 the files on a worker thread, then checks and mounts the adapter on the device thread between engine steps.
+
+Paths come from two places and are treated differently. The graph's (the operator's own TOML: ``adapters`` on a
+model resource, ``roots`` on the ``adapters.manage`` stage) expand ``~`` and ``$VARS``. A client's (``POST
+/v1/adapters``) is taken as written, but for a leading ``~`` (the server's own user's home): no environment
+variable is expanded, and the directory must be an adapter under the adapter roots (:func:`default_roots`: the
+Hugging Face hub cache and flow's own ``<data dir>/adapters``, widened by the stage's ``roots``), its files too once
+symlinks are followed. Whatever the reason a path is refused (missing, not a directory, not an adapter, outside the
+roots, a symlink out of them), the answer is the same (:func:`not_an_adapter`), so it tells a client nothing about
+which paths exist.
 """
 
 from __future__ import annotations
@@ -38,7 +47,60 @@ class AdapterMount:
 
 
 def expand_path(text: str) -> Path:
+    """A path from the graph (the operator's own config): ``$VARS`` and ``~`` expand. Never for a request's."""
     return Path(os.path.expandvars(text)).expanduser()
+
+
+def request_path(text: str) -> Path:
+    """A path from a request, as written: a leading ``~`` is the server's own user's home (``~user`` is not
+    expanded), nothing else changes — no environment variable, which would let any client read any of them."""
+    if text == "~" or text.startswith("~/"):
+        return Path.home() / text[2:]
+    return Path(text)
+
+
+def default_roots() -> list[Path]:
+    """Where clients may mount adapters from when the graph names no other place: the Hugging Face hub cache (as
+    the server resolves it: ``HF_HUB_CACHE``, ``HF_HOME``, huggingface_hub's default) and ``<data dir>/adapters``
+    (``$FLOW_DATA_DIR``, else the platform's data directory for flow)."""
+    from flow.capabilities import data_dir
+    from flow.local_models import hub_cache_dir
+
+    return [hub_cache_dir(), data_dir() / "adapters"]
+
+
+def _within(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+
+
+def find_request_adapter(path: Path, roots: list[Path]) -> Path | None:
+    """The adapter directory ``path`` names, with every symlink resolved, if it is one under ``roots`` (each
+    resolved too), and its config and weights files also resolve under them; else None, whatever the reason.
+    Blocking (it reads the file system): run it on a worker thread."""
+    from runtime.adapters import CONFIG_FILE, MLX_LM_WEIGHTS, PEFT_WEIGHTS
+
+    real_roots = [os.path.realpath(root) for root in roots]
+    real = os.path.realpath(path)
+    if not _within(real, real_roots) or not os.path.isdir(real):
+        return None
+    config = os.path.join(real, CONFIG_FILE)
+    weights = [w for w in (os.path.join(real, MLX_LM_WEIGHTS), os.path.join(real, PEFT_WEIGHTS)) if os.path.isfile(w)]
+    if not os.path.isfile(config) or not weights:
+        return None
+    # A file of the directory may be a symlink (the hub cache's snapshots are): where it leads must be inside too.
+    if not all(_within(os.path.realpath(f), real_roots) for f in (config, weights[0])):
+        return None
+    return Path(real)
+
+
+def not_an_adapter(text: str, roots: list[Path]) -> ApiError:
+    """The one answer for a client's path that is not an adapter here, whatever the reason: it echoes only what
+    the client sent, and says the same for a missing path, a directory that is not an adapter, and one outside
+    the roots (so it reveals nothing about which paths exist)."""
+    return ApiError("invalid_request", f"No adapter this server can mount at the path {text!r}: give a directory "
+                    "with adapter_config.json and adapters.safetensors (mlx-lm) or adapter_model.safetensors (PEFT), "
+                    f"under one of the adapter roots ({', '.join(map(str, roots))}).", param="path",
+                    code="adapter_path_refused")
 
 
 class AdapterRegistry:
@@ -51,6 +113,7 @@ class AdapterRegistry:
             for adapter_id, path in configured.items()}
         self.aliases = {model_id: parse_adapter_spec(spec) for model_id, spec in aliases.items()}
         self.live: dict[str, Adapter] = {}  # mounted on the loaded model now
+        self.last_mounted: dict[str, dict[str, Any]] = {}  # each id's figures when it was last mounted
 
     async def mount_all(self, loaded: LoadedModel, served_names: list[str]) -> None:
         """Mount every remembered adapter on a model that has just loaded. A configured adapter that does not
@@ -65,6 +128,7 @@ class AdapterRegistry:
                 log.error("model %s: adapter %s no longer mounts (%s); dropped", self.model_name, mount.id,
                           exc.message)
                 del self.mounts[mount.id]
+                self.last_mounted.pop(mount.id, None)
 
     async def mount(self, loaded: LoadedModel, mount: AdapterMount, served_names: list[str]) -> Adapter:
         """Mount a client's adapter: all of it fits, or a 400 says what does not and nothing is mounted."""
@@ -98,6 +162,7 @@ class AdapterRegistry:
         except (AdapterError, OSError) as exc:
             raise ApiError("invalid_request", str(exc), param="path") from None
         self.live[mount.id] = adapter
+        self.last_mounted[mount.id] = adapter.describe()
         log.info("model %s: adapter %s mounted (%s, rank %d, %d layers)", self.model_name, mount.id,
                  files.layout, adapter.rank, len(adapter.factors))
         return adapter
@@ -107,6 +172,7 @@ class AdapterRegistry:
         if adapter_id not in self.mounts:
             raise self.not_mounted(adapter_id)
         del self.mounts[adapter_id]
+        self.last_mounted.pop(adapter_id, None)
         adapter = self.live.pop(adapter_id, None)
         if adapter is None or loaded is None:
             return 0
@@ -127,11 +193,16 @@ class AdapterRegistry:
                         param="adapter", code="adapter_not_found")
 
     def describe(self) -> list[dict[str, Any]]:
+        """Each adapter: ``id, path, rank, scale, size_bytes, mounted_layers`` (the reference API's fields), its
+        ``format`` and ``digest``, and flow's ``model, source, state``. One that is not on the model now (the
+        model is unloaded) shows the figures of its last mount; one never mounted yet (a lazy model's configured
+        adapter) shows null for what only mounting finds out."""
         out = []
         for adapter_id, mount in self.mounts.items():
             adapter = self.live.get(adapter_id)
-            entry: dict[str, Any] = adapter.describe() if adapter is not None else {"id": adapter_id,
-                                                                                      "path": str(mount.path)}
+            entry: dict[str, Any] = (adapter.describe() if adapter is not None else dict(self.last_mounted.get(
+                adapter_id) or {"id": adapter_id, "path": str(mount.path), "format": None, "rank": None,
+                                "scale": None, "size_bytes": None, "mounted_layers": None, "digest": None}))
             entry.update(object="adapter", model=self.model_name, source="graph" if mount.configured else "api",
                          state="mounted" if adapter is not None else "not loaded")
             out.append(entry)

@@ -1,10 +1,14 @@
 """``adapters.manage``: the LoRA adapters mounted on the graph's models, at run time.
 
-* ``GET /v1/adapters``: ``{object: "list", data: [{id, path, format, rank, scale, size_bytes, mounted_layers,
-  digest, model, source, state}]}``;
-* ``POST /v1/adapters`` ``{id, path, model?, check_base_model?}``: all or nothing — a directory that is not an
-  adapter, a shape that does not fit the model, or another base model named in its config is a 400 and nothing
-  is mounted; ``model`` is needed only when the stage serves several text models;
+* ``GET /v1/adapters``: ``{adapters: [{id, path, rank, scale, size_bytes, mounted_layers, format, digest, model,
+  source, state}]}`` (the reference API's shape), the same list as ``data`` beside ``object: "list"`` (flow's own
+  list shape, which its earlier clients read);
+* ``POST /v1/adapters`` ``{id, path, model?, check_base_model?}``: all or nothing — a shape that does not fit the
+  model, or another base model named in its config is a 400 and nothing is mounted; ``model`` is needed only when
+  the stage serves several text models. The path is a client's: no ``$VARS`` expand (a leading ``~`` does: the
+  server's user's home), and it must be an adapter directory under the adapter roots (the hub cache and
+  ``<data dir>/adapters``, widened by ``roots``); anything else is one and the same 400, whatever the reason, so
+  the answer does not tell which paths exist (:mod:`flow.adapters`);
 * ``DELETE /v1/adapters/{adapter_id}``: 404 if no model has it; requests already using it finish with it.
 
 Requests then name adapters in their ``adapter`` field, or through a model id the graph maps to adapters
@@ -13,13 +17,13 @@ Requests then name adapters in their ``adapter`` field, or through a model id th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
+import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from flow.adapters import AdapterMount, expand_path
+from flow.adapters import AdapterMount, default_roots, expand_path, find_request_adapter, not_an_adapter, request_path
 from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
 from protocols import openai_chat
 from protocols.adapter_spec import check_adapter_id
@@ -32,8 +36,11 @@ from stages.protocol import EndpointStage
 
 class AdaptersConfig(ModelStageConfig):
     roots: list[str] = Field(
-        default_factory=list, description="directories adapters may be mounted from (default: any directory the "
-                                          "server can read); a path outside them is a 403")
+        default_factory=list, description="more directories clients may mount adapters from (~ and $VARS expand), "
+                                          "besides the Hugging Face hub cache and <flow data dir>/adapters")
+    default_roots: bool = Field(
+        default=True, description="clients may mount adapters from the hub cache and <flow data dir>/adapters; "
+                                  "false: from roots only (none given: clients cannot mount adapters)")
 
 
 class MountBody(BaseModel):
@@ -60,7 +67,7 @@ class AdaptersManage(EndpointStage):
     async def answer(self, http: HttpRequest) -> dict[str, Any]:
         if http.method == "GET":
             data = [entry for model in self.models for entry in model.adapters.describe()]
-            return {"object": "list", "data": data}
+            return {"adapters": data, "object": "list", "data": data}
         if http.method == "DELETE":
             return await self._unmount(http.param("adapter_id"))
         return await self._mount(parse_json_body(MountBody, http.body))
@@ -71,7 +78,10 @@ class AdaptersManage(EndpointStage):
         except ValueError as exc:
             raise ApiError("invalid_request", f"'id': {exc}.", param="id") from None
         model = self._model(body.model)
-        path = self._allowed(expand_path(body.path))
+        if model.config.distributed is not None:  # said before the path is looked at: it cannot be mounted anyway
+            raise ApiError("invalid_request", f"The model {model.name!r} is served across processes "
+                           "(distributed); LoRA adapters are not supported there yet.", param="model")
+        path = await self._allowed(body.path)
         loaded = await model.ensure_loaded()  # mounted on what is loaded now, and again on every later load
         names = model.served_names(loaded.path, loaded.config)
         adapter = await model.adapters.mount(loaded, AdapterMount(body.id, path, body.check_base_model), names)
@@ -95,12 +105,15 @@ class AdaptersManage(EndpointStage):
         raise ApiError("invalid_request", "'model' is required: this server has several text models "
                        f"({', '.join(m.name for m in self.models) or 'none'}).", param="model")
 
-    def _allowed(self, path: Path) -> Path:
-        if not self.config.roots:
-            return path
-        real = Path(os.path.realpath(path))
-        roots = [Path(os.path.realpath(expand_path(r))) for r in self.config.roots]
-        if not any(real == root or root in real.parents for root in roots):
-            raise ApiError("permission", f"Adapters may only be mounted from {', '.join(map(str, roots))}; "
-                           f"{path} is outside them.", param="path")
-        return path
+    def roots(self) -> list[Path]:
+        """Where clients may mount adapters from now (the hub cache follows the environment, as ``/library``)."""
+        configured = [expand_path(root) for root in self.config.roots]  # the operator's own: $VARS may expand
+        return [*default_roots(), *configured] if self.config.default_roots else configured
+
+    async def _allowed(self, text: str) -> Path:
+        """The adapter directory a client's path names, resolved, or the one refusal (see :mod:`flow.adapters`)."""
+        roots = self.roots()
+        found = await trio.to_thread.run_sync(find_request_adapter, request_path(text), roots)
+        if found is None:
+            raise not_an_adapter(text, roots)
+        return found

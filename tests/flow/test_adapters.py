@@ -2,13 +2,17 @@
 tiny random-weight Llama. Greedy output with an adapter equals mlx-lm loaded with that adapter; rows with different
 adapters, stacked adapters and no adapter share the batch and each gets the tokens it gets alone; the prefix cache
 never crosses adapters (nor a re-mounted adapter's old weights); mounting is all or nothing; an adapter in use is
-unmounted after the requests that use it; a model pool's reload mounts them again."""
+unmounted after the requests that use it; a model pool's reload mounts them again. A client's path expands no
+environment variable, must be an adapter under the adapter roots (the hub cache and flow's data directory unless the
+graph widens them), and every refusal of a path is the same answer."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +24,7 @@ import mlx.core as mx
 import openai
 import pytest
 
+from flow.capabilities import data_dir
 from flow.compiler import compile_tables
 from runtime.tiny_adapters import build_tiny_adapter
 from tests.harness import RunningServer, running_server, tables_with_prefix_cache
@@ -45,6 +50,7 @@ def server(tiny_llama: Path, adapters: dict[str, Path], tmp_path_factory: pytest
     tables = tables_with_prefix_cache(tiny_llama, tmp_path_factory.mktemp("kv"), block_tokens=16)
     tables["resources"]["model"].update(name="tiny-llama", adapters={"a1": str(adapters["a1"])},
                                         adapter_aliases={"tiny-tuned": "a1"})
+    tables["stages"]["adapters"]["roots"] = [str(tmp_path_factory.getbasetemp())]  # the tests' adapters are there
     with running_server(compile_tables(tables, "adapters (test)")) as running:
         yield running
 
@@ -73,13 +79,14 @@ def reference(server: RunningServer, model_dir: Path, adapter: Path | None, max_
     return server.server.device.call(run)
 
 
-def mount(server: RunningServer, adapter_id: str, path: Path, **extra: Any) -> httpx.Response:
+def mount(server: RunningServer, adapter_id: str, path: Path | str, **extra: Any) -> httpx.Response:
     return httpx.post(server.base_url + "/v1/adapters", timeout=60, json={"id": adapter_id, "path": str(path), **extra})
 
 
 def listed(server: RunningServer) -> dict[str, dict[str, Any]]:
     body = httpx.get(server.base_url + "/v1/adapters", timeout=30).json()
-    return {entry["id"]: entry for entry in body["data"]}
+    assert body["adapters"] == body["data"]  # the reference API's key, and flow's own list shape
+    return {entry["id"]: entry for entry in body["adapters"]}
 
 
 def test_greedy_output_equals_mlx_lm_with_the_adapter(server: RunningServer, tiny_llama: Path,
@@ -256,6 +263,7 @@ def test_a_pool_reload_mounts_the_adapters_again(tiny_llama: Path, tiny_qwen3: P
     tables["resources"]["model"].update(name="tiny-llama", adapters={"a1": str(adapters["a1"])})
     tables["resources"]["other"] = {"type": "model", "path": str(tiny_qwen3), "name": "tiny-qwen3"}
     tables["resources"]["pool"] = {"type": "model_pool", "max_loaded": 1}
+    tables["stages"]["adapters"]["roots"] = [str(adapters["twin"].parent)]
     with running_server(compile_tables(tables, "adapters in a pool (test)")) as running:
         assert mount(running, "twin", adapters["twin"]).status_code == 400  # two text models: which one?
         assert mount(running, "twin", adapters["twin"], model="tiny-llama").status_code == 200
@@ -264,3 +272,111 @@ def test_a_pool_reload_mounts_the_adapters_again(tiny_llama: Path, tiny_qwen3: P
         assert listed(running)["twin"]["state"] == "not loaded"
         assert {spec: text(chat(running, adapter=spec)) for spec in ("a1", "twin")} == first
         assert listed(running)["twin"]["state"] == "mounted"
+
+
+def test_a_request_path_expands_no_environment_variable(server: RunningServer, adapters: dict[str, Path],
+                                                        tiny_llama: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "s3cret-" + os.urandom(8).hex()
+    monkeypatch.setenv("FLOW_TEST_SECRET", secret)  # the server runs in this process: its environment
+    monkeypatch.setenv("FLOW_TEST_ADAPTER", str(adapters["twin"]))
+    for path in ("/x/${FLOW_TEST_SECRET}", "$FLOW_TEST_SECRET", f"{tmp_path}/$FLOW_TEST_SECRET/x",
+                 "%FLOW_TEST_SECRET%", "${FLOW_TEST_SECRET:-x}", "~FLOW_TEST_SECRET"):
+        answer = mount(server, "env", path)
+        assert answer.status_code == 400, answer.text
+        assert secret not in answer.text and answer.json()["error"]["param"] == "path"
+        assert repr(path) in answer.json()["error"]["message"]  # the path as the client sent it
+    # Not expanded, rather than expanded and hidden: the variable names a real adapter, which is not mounted.
+    assert mount(server, "env", "$FLOW_TEST_ADAPTER").status_code == 400
+    assert mount(server, "env", "${FLOW_TEST_ADAPTER}").status_code == 400
+    assert "env" not in listed(server)
+    # A leading ~ is the server's own user's home.
+    build_tiny_adapter(tiny_llama, tmp_path / "home" / "tune", seed=6)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    answer = mount(server, "home", "~/tune")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["path"] == os.path.realpath(tmp_path / "home" / "tune")
+    assert httpx.delete(server.base_url + "/v1/adapters/home", timeout=30).status_code == 200
+
+
+def test_every_refused_path_gets_the_same_answer(server: RunningServer, adapters: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    """Missing, a file, a directory that is no adapter, one outside the roots, a real adapter outside them
+    (directly, through a symlink inside, through ``..``): one answer, byte for byte but for the path echoed."""
+    outside = Path(tempfile.mkdtemp(prefix="flow-outside-"))  # not under the roots (the tests' temp dir)
+    try:
+        shutil.copytree(adapters["a1"], outside / "tune")
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "file").write_text("x")
+        (tmp_path / "link").symlink_to(outside / "tune")
+        half = tmp_path / "half"  # an adapter whose weights are a symlink out of the roots
+        half.mkdir()
+        shutil.copy(adapters["a1"] / "adapter_config.json", half)
+        (half / "adapters.safetensors").symlink_to(outside / "tune" / "adapters.safetensors")
+        paths = [str(tmp_path / "missing"), str(tmp_path / "file"), str(tmp_path / "empty"), "/nonexistent/x",
+                 "/root/.ssh", "/etc", "/", str(outside / "tune"), str(tmp_path / "link"), str(half),
+                 str(tmp_path) + "/.." * len(tmp_path.parts) + str(outside / "tune"), "relative/dir", "~root"]
+        bodies = set()
+        for path in paths:
+            answer = mount(server, "probe", path)
+            assert answer.status_code == 400, (path, answer.text)
+            assert answer.json()["error"]["code"] == "adapter_path_refused"
+            echoed = json.dumps(repr(path))[1:-1].encode()
+            assert answer.content.count(echoed) == 1, answer.text
+            bodies.add(answer.content.replace(echoed, b"PATH"))
+        assert len(bodies) == 1, bodies
+        assert "probe" not in listed(server)
+        # The same adapter inside the roots mounts: the refusals above were for where it was, not what it is.
+        shutil.copytree(outside / "tune", tmp_path / "tune")
+        assert mount(server, "probe", tmp_path / "tune").status_code == 200
+        assert httpx.delete(server.base_url + "/v1/adapters/probe", timeout=30).status_code == 200
+    finally:
+        shutil.rmtree(outside)
+
+
+def _hub_snapshot(adapter: Path, cache: Path, repo: str, blobs_at: Path | None = None) -> Path:
+    """``adapter``'s files laid out as huggingface_hub caches a repository: snapshot files are symlinks to blobs
+    (in ``blobs_at`` instead of the repository's own blobs folder, if given)."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    blobs = blobs_at or folder / "blobs"
+    snapshot = folder / "snapshots" / ("c0ffee" * 6 + "0000")
+    blobs.mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(adapter.iterdir())):
+        blob = blobs / f"{repo.replace('/', '-')}-{i:02d}"
+        shutil.copy(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_default_roots_are_the_hub_cache_and_flows_own_adapter_directory(
+        tiny_llama: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # as the server resolves it, read at each mount
+    monkeypatch.setenv("FLOW_DATA_DIR", str(tmp_path / "data"))
+    hub = _hub_snapshot(adapters["a1"], tmp_path / "hub", "acme/tiny-lora")
+    escaping = _hub_snapshot(adapters["a1"], tmp_path / "hub", "acme/escaping", blobs_at=tmp_path / "elsewhere")
+    own = shutil.copytree(adapters["twin"], data_dir() / "adapters" / "twin")
+    assert own == tmp_path / "data" / "adapters" / "twin"
+    stray = shutil.copytree(adapters["a1"], tmp_path / "stray")
+    tables = tables_with_prefix_cache(tiny_llama, tmp_path / "kv", block_tokens=16)
+    tables["resources"]["model"]["name"] = "tiny-llama"
+    assert "roots" not in tables["stages"]["adapters"]  # the graph names none
+    with running_server(compile_tables(tables, "default adapter roots (test)")) as running:
+        for adapter_id, path in (("hub", hub), ("own", own)):
+            answer = mount(running, adapter_id, path)
+            assert answer.status_code == 200, answer.text
+        assert set(listed(running)) == {"hub", "own"}
+        assert text(chat(running, adapter="hub")) != text(chat(running))
+        refused = {mount(running, "x", path).json()["error"]["code"]
+                   for path in (stray, escaping, tmp_path, f"{tmp_path}/hub/../stray", "/tmp")}
+        assert refused == {"adapter_path_refused"}
+        # The graph widens them, with the operator's own ~ and $VARS.
+        monkeypatch.setenv("FLOW_TEST_ROOT", str(tmp_path))
+        tables["stages"]["adapters"]["roots"] = ["$FLOW_TEST_ROOT/stray"]
+    with running_server(compile_tables(tables, "wider adapter roots (test)")) as running:
+        assert mount(running, "stray", stray).status_code == 200
+        assert mount(running, "hub", hub).status_code == 200
+        tables["stages"]["adapters"]["default_roots"] = False
+    with running_server(compile_tables(tables, "narrower adapter roots (test)")) as running:
+        assert mount(running, "stray", stray).status_code == 200
+        assert mount(running, "hub", hub).json()["error"]["code"] == "adapter_path_refused"
