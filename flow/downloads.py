@@ -36,6 +36,7 @@ Offline (``HF_HUB_OFFLINE``), nothing is attempted: :func:`pull` raises
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -56,6 +57,13 @@ if TYPE_CHECKING:
 
 State = Literal["queued", "running", "done", "failed"]
 RATE_WINDOW = 5.0  # seconds over which bytes_per_sec is measured
+# A Hugging Face model repository id, the whole string (fullmatch: ``$`` would let a trailing newline through).
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+
+
+def valid_repo_id(repo: object) -> bool:
+    """Whether ``repo`` is an ``owner/name`` id the hub accepts (no ``..``, no control characters)."""
+    return isinstance(repo, str) and REPO_ID.fullmatch(repo) is not None and ".." not in repo
 
 
 class Offline(Exception):

@@ -7,12 +7,12 @@ import re
 
 from protocols.errors import ApiError
 
-ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # the whole id (fullmatch: no trailing newline)
 
 
 def check_adapter_id(adapter_id: str) -> str:
     """``adapter_id`` if it is a valid id, else a ``ValueError`` saying what is accepted."""
-    if not ADAPTER_ID.match(adapter_id) or adapter_id == "none":
+    if not ADAPTER_ID.fullmatch(adapter_id) or adapter_id == "none":
         raise ValueError(f"adapter id {adapter_id!r} is not valid: use 1 to 64 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit ('none' is reserved)")
     return adapter_id

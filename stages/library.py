@@ -14,7 +14,6 @@ Each answer says whether the hub is offline.
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,7 +22,7 @@ from urllib.parse import parse_qs
 import trio
 from pydantic import Field
 
-from flow.downloads import DownloadsResource, hub_offline
+from flow.downloads import DownloadsResource, hub_offline, valid_repo_id
 from flow.fit import Fit, assess
 from flow.local_models import LocalModel, find_local_models
 from flow.resource import Reference
@@ -35,7 +34,6 @@ from protocols.ir import HttpRequest
 from stages.protocol import EndpointStage
 
 SERVABLE_KINDS = ("text", "embeddings")  # what this version loads (vision and audio are detected, not served)
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
 class LibraryConfig(StageConfig):
@@ -197,7 +195,7 @@ class DownloadsManage(EndpointStage):
             raise ApiError("invalid_request", "The body must be JSON: {\"repo\": \"owner/name\"}.") from None
         repo = body.get("repo") if isinstance(body, dict) else None
         revision = body.get("revision", "main") if isinstance(body, dict) else "main"
-        if not isinstance(repo, str) or not REPO_ID.match(repo):
+        if not valid_repo_id(repo):
             raise ApiError("invalid_request", f"'repo' must be a Hugging Face repository id (owner/name); got "
                            f"{repo!r}.", param="repo")
         if not isinstance(revision, str) or not revision or len(revision) > 200:

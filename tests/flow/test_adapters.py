@@ -200,6 +200,7 @@ def test_mounting_is_all_or_nothing(server: RunningServer, adapters: dict[str, P
     assert "'lora'" in mount(server, "d", dora).json()["error"]["message"]
     assert mount(server, "a1", adapters["a1"]).status_code == 409  # the id is taken
     assert mount(server, "bad id!", adapters["a1"]).status_code == 400
+    assert mount(server, "tail\n", adapters["a1"]).json()["error"]["param"] == "id"  # the whole id is checked
     assert listed(server) == before  # nothing of the refused ones is mounted
     forced = mount(server, "other", renamed, check_base_model=False)  # the client says it knows better
     assert forced.status_code == 200

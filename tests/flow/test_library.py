@@ -86,7 +86,8 @@ def test_offline_everything_answers_from_the_cache_and_says_so(server: RunningSe
 
 
 @pytest.mark.parametrize("body", [{"repo": "no-slash"}, {"repo": "../etc/x"}, {"repo": 3}, {},
-                                  {"repo": "a/b", "revision": ""}])
+                                  {"repo": "a/b", "revision": ""}, {"repo": "owner/name\n"},
+                                  {"repo": "owner/name\nx"}, {"repo": "owner/na..me"}, {"repo": "owner/name/x"}])
 def test_a_bad_download_request_is_a_400_that_says_what_to_send(server: RunningServer, body: Any) -> None:
     r = httpx.post(server.base_url + "/downloads", json=body, timeout=30)
     assert r.status_code == 400, r.text
