@@ -39,6 +39,7 @@ from protocols import documents, images
 from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import cache_control_ttl
 from protocols.errors import STATUS, ApiError
+from protocols.limits import check_stop_strings
 from protocols.output_format import decode_response_format
 from protocols.ir import (
     IMAGE_SLOT,
@@ -183,6 +184,7 @@ class MessagesBody(_Lenient):
     def _stops_not_empty(cls, value: list[str] | None) -> list[str] | None:
         if value and any(s == "" for s in value):
             raise ValueError("stop sequences must not be empty strings")
+        check_stop_strings(value or ())  # here, so the 400 names 'stop_sequences'
         return value
 
 

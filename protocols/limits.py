@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -118,14 +119,24 @@ def _check_prompt_ids(request: ChatRequest, limits: ModelLimits) -> None:
                            f"{limits.vocab_size - 1} (got {bad}).", param="prompt")
 
 
-def _check_stops(request: ChatRequest) -> None:
-    if len(request.stop) > MAX_STOP_STRINGS:
-        raise ApiError("invalid_request", f"{len(request.stop)} stop sequences given; at most {MAX_STOP_STRINGS} "
-                       "are accepted.", param="stop")
-    for stop in request.stop:
+def check_stop_strings(stops: Sequence[str]) -> None:
+    """A ``ValueError`` if ``stops`` are too many or one is empty or too long. Protocol bodies call it from their
+    own field's validator, so the 400 names the field as the client wrote it (``stop``, ``stop_sequences``)."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"{len(stops)} stop sequences given; at most {MAX_STOP_STRINGS} are accepted")
+    for stop in stops:
         if not stop or len(stop) > MAX_STOP_CHARS:
-            raise ApiError("invalid_request", f"Stop sequences must be 1 to {MAX_STOP_CHARS} characters long "
-                           f"(got one of {len(stop)}).", param="stop")
+            raise ValueError(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters long (got one of "
+                             f"{len(stop)})")
+
+
+def _check_stops(request: ChatRequest) -> None:
+    """Every request's stops, whatever decoded it (the protocols that check them in their own field already
+    answered; this holds for the others: Ollama's ``options.stop``, the agents API)."""
+    try:
+        check_stop_strings(request.stop)
+    except ValueError as exc:
+        raise ApiError("invalid_request", f"'stop': {exc}.", param="stop") from None
 
 
 def _check_template_kwargs(request: ChatRequest) -> None:

@@ -21,6 +21,7 @@ from protocols import documents, images
 from protocols.adapter_spec import decode_adapter
 from protocols.cache_fields import SessionFields
 from protocols.errors import STATUS, ApiError
+from protocols.limits import check_stop_strings
 from protocols.output_format import decode_response_format
 from protocols.ir import (
     IMAGE_SLOT,
@@ -130,6 +131,7 @@ class OpenAISamplingFields(SessionFields):
         stops = [value] if isinstance(value, str) else (value or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        check_stop_strings(stops)
         return value
 
     @field_validator("logit_bias")
