@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 State = Literal["queued", "running", "done", "failed"]
 RATE_WINDOW = 5.0  # seconds over which bytes_per_sec is measured
+REFERENCE_STATES: dict[State, str] = {"queued": "active", "running": "active", "done": "done", "failed": "error"}
 # A Hugging Face model repository id, the whole string (fullmatch: ``$`` would let a trailing newline through).
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 
@@ -106,6 +107,20 @@ class Download:
                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
                 "finished": None if self.finished is None else
                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.finished))}
+
+    def reference_json(self) -> dict[str, Any]:
+        """The reference API's download record (``GET /downloads``' ``downloads``): its states are ``active``
+        (flow's queued and running; ``queued`` says which), ``done`` and ``error``; times are unix seconds; ``error``
+        only on an error. flow's ``revision`` and ``path`` beside them."""
+        entry: dict[str, Any] = {
+            "repo_id": self.repo, "state": REFERENCE_STATES[self.state], "current_file": self.current_file,
+            "received_bytes": self.received_bytes, "total_bytes": self.total_bytes, "files_done": self.files_done,
+            "files_total": self.files_total, "bytes_per_sec": round(self.bytes_per_sec, 1),
+            "started_at": int(self.started), "finished_at": None if self.finished is None else int(self.finished),
+            "queued": self.state == "queued", "revision": self.revision, "path": self.path}
+        if self.state == "failed":
+            entry["error"] = self.error
+        return entry
 
     @property
     def eta_seconds(self) -> float | None:

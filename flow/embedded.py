@@ -38,6 +38,7 @@ def running_server(graph: CompiledGraph, host: str = "127.0.0.1",
                    loader: GraphLoader | None = None) -> Iterator[RunningServer]:
     """Serve ``graph``; ``loader`` compiles the graph again for a reload (``POST /admin/reload``)."""
     server = FlowServer(graph, loader=loader)
+    server.observer.owner = "embedded"  # /stats' server.owner
     ready = threading.Event()
     box: dict[str, Any] = {}
 

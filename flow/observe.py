@@ -3,11 +3,18 @@
 Everything is read at request (or scrape) time from the live graph: the current
 generation's models and resources, its edges' traffic, the request counters.
 ``/health`` needs no API key, so it names no file paths.
+
+``/stats`` carries flow's own layout (``graph``, ``models``, ``resources``, ``edges``, ``stages``… which the
+console reads) and, beside it, the reference server's blocks (``server``, ``prompt_cache``, ``response_store``,
+``kv_quant``, ``admission``, ``batch``; see :func:`reference_blocks`), so a status page or script written for that
+API reads flow too. The reference serves one model; these blocks describe the server's first generation model
+(text or vision), the one ``server.model`` names.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,6 +72,7 @@ class Observer:
             "flow_time_to_first_byte_seconds", "Time until the response head (streams: the first event) by route.")
         self.metrics.collector(self._collect)
         self.recent: deque[RecentRequest] = deque(maxlen=RECENT_REQUESTS)
+        self.owner = "serve"  # who runs the server: `flow serve`, or "embedded" (flow.embedded: tests, flow bench)
 
     def request_started(self, request_id: str, route: str, *, listed: bool = True) -> RecentRequest:
         """The record of a request that began; ``listed``: shown in the recent requests (see
@@ -99,12 +107,14 @@ class Observer:
         stats = {rid: res.stats() for rid, res in resources.items()}
         stages = self.server.live.gen.stage_stats() if self.server.live.current is not None else {}
         return {
+            **reference_blocks(self.owner, self.server.started_at, self.server.models, resources, stats),
             "graph": health["graph"],
             "uptime_seconds": health["uptime_seconds"],
             "requests": health["requests"],
             "models": {m["id"]: m for m in health["models"]},
             "resources": {rid: numbers for rid, numbers in stats.items() if numbers is not None},
             "device": shared_device().stats_json(),
+            "event_loop": self.server.loop_watch.json(),
             "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams,
                                           "queued": stages[dst].queued if dst in stages else 0}
                       for (src, dst), e in self._edge_stats().items()},
@@ -209,3 +219,158 @@ class Observer:
             out["ready"] = model.ready and model.down is None
             out["distributed"] = model.distributed_stats()
         return out
+
+
+# ---------------------------------------------------------------------------------- the reference's blocks
+
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_KV_DTYPES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # engine → its KV's dtype name
+_GLOBAL_LAYERS = ("full_attention", "attention", "global_attention")
+_SLIDING_LAYERS = ("sliding_attention", "sliding_window_attention", "local_attention")
+
+
+def reference_blocks(owner: str, started_at: float, models: list[ModelResource], resources: dict[str, Any],
+                     stats: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """The reference server's ``/stats`` blocks, every field from flow's own figures: ``stats`` is each
+    resource's ``stats()`` as this reading already took it."""
+    model = next((m for m in models if m.kind in ("text", "vision")), models[0] if models else None)
+    return {
+        "server": {"owner": owner, "model": model.name if model is not None else None,
+                   "started_at": int(started_at)},  # unix seconds, as /downloads' started_at
+        "prompt_cache": _prompt_cache(model, resources, stats),
+        "response_store": _response_store(resources, stats),
+        "kv_quant": _kv_quant(model),
+        "admission": _admission(model),
+        "batch": _batch(model),
+    }
+
+
+def _prompt_cache(model: ModelResource | None, resources: dict[str, Any],
+                  stats: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """The model's prefix cache: entries are its KV blocks in memory and on disk (a block of ``block_tokens``
+    positions is flow's unit of reuse), bytes and max_bytes both tiers'; a miss is a lookup that reused nothing."""
+    cache = model.prefix_cache if model is not None else None
+    rid = next((rid for rid, res in resources.items() if cache is not None and getattr(res, "cache", None) is cache),
+               None)
+    s = stats.get(rid) if rid is not None else None
+    if s is None:  # no prefix cache serves the model: nothing is cached, nothing can be
+        return {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "hits": 0, "misses": 0}
+    disk = s.get("disk") or {}
+    return {"enabled": True, "resource": rid, "entries": s["blocks"]["hot"] + s["blocks"]["warm"],
+            "bytes": s["hot_bytes"] + int(disk.get("bytes", 0)),
+            "max_bytes": s["hot_max_bytes"] + int(disk.get("max_bytes", 0)),
+            "hits": s["hits"], "misses": s["lookups"] - s["hits"], "block_tokens": s["block_tokens"],
+            "reused_tokens": s["reused_tokens"]}
+
+
+def _response_store(resources: dict[str, Any], stats: dict[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """The graph's responses store (``previous_response_id``): flow keeps it on disk, byte-capped, with a TTL."""
+    from flow.response_store import ResponseStore
+
+    rid = next((rid for rid, res in resources.items() if isinstance(res, ResponseStore)), None)
+    s = stats.get(rid) if rid is not None else None
+    if s is None:
+        return {"enabled": False, "entries": 0, "bytes": 0, "max_bytes": 0, "ttl_ms": 0}
+    if s.get("state") != "ok":  # damaged or closed: its routes answer 503; the reason is in resources
+        return {"enabled": True, "resource": rid, "state": s.get("state"), "entries": None, "bytes": None,
+                "max_bytes": None, "ttl_ms": None}
+    return {"enabled": True, "resource": rid, "state": "ok", "entries": s["entries"], "bytes": s["bytes"],
+            "max_bytes": s["max_bytes"], "ttl_ms": int(s["ttl_seconds"] * 1000)}
+
+
+def _kv_dtype(engine: Any) -> str:
+    """The name of the KV cache's element type: the model's activations' (its first floating parameter's), read
+    once per engine (walking the parameters is not free)."""
+    name = _KV_DTYPES.get(engine)
+    if name is None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        name = "bf16"  # mlx-lm's default activation type, for a model with no floating parameter at all
+        for _, value in tree_flatten(engine.model.parameters()):
+            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+                text = str(value.dtype).rsplit(".", 1)[-1]
+                name = _DTYPE_NAMES.get(text, text)
+                break
+        _KV_DTYPES[engine] = name
+    return name
+
+
+def _attention_layers(model: ModelResource) -> dict[str, int] | None:
+    """How many layers attend globally and how many in a sliding window: from the engine's layer caches (a full
+    KV cache or a rotating one per layer), else from the config's ``layer_types`` (a hybrid model's recurrent
+    layers are ``other``); None until the model is loaded."""
+    loaded = model.loaded
+    if loaded is None:
+        return None
+    windows = loaded.engine.windows
+    if windows:
+        return {"global": sum(w is None for w in windows), "sliding_window": sum(w is not None for w in windows)}
+    config = loaded.config
+    types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types")
+    if isinstance(types, list) and types:
+        global_ = sum(t in _GLOBAL_LAYERS for t in types)
+        sliding = sum(t in _SLIDING_LAYERS for t in types)
+        return {"global": global_, "sliding_window": sliding, "other": len(types) - global_ - sliding}
+    return None
+
+
+def _kv_quant(model: ModelResource | None) -> dict[str, Any] | None:
+    """The live KV cache's precision. flow quantizes uniformly (``kv_bits`` on every attention layer, from
+    ``quantized_kv_start`` tokens of a row's context on; below it the model's own dtype): mode
+    ``uniform-kv4``/``uniform-kv8``, else the dtype's name (``bf16``); ``layers`` counts attention layers by the
+    KV they keep once quantized."""
+    if model is None:
+        return None
+    config = model.config
+    attention = _attention_layers(model)
+    layer_count = None if attention is None else attention["global"] + attention["sliding_window"]
+    if config.kv_bits is not None:
+        label = f"kv{config.kv_bits}"
+        return {"mode": f"uniform-{label}", "layers": None if layer_count is None else {label: layer_count},
+                "attention": attention, "bits": config.kv_bits, "group_size": config.kv_group_size,
+                "start_tokens": config.quantized_kv_start}
+    if model.loaded is None:  # the dtype is the loaded weights'
+        return {"mode": None, "layers": None, "attention": None, "bits": None}
+    dtype = _kv_dtype(model.loaded.engine)
+    return {"mode": dtype, "layers": None if layer_count is None else {dtype: layer_count}, "attention": attention,
+            "bits": None}
+
+
+def _max_safe_context(model: ModelResource) -> int | None:
+    """The longest prompt + max_tokens admission lets through: the KV budget (``kv_bytes_for``, quantized past
+    its start where ``kv_bits`` is set, as ``chat.prepare`` checks it) and the model's context, whichever is less."""
+    loaded = model.loaded
+    if loaded is None:
+        return None
+    engine, budget = loaded.engine, model.kv_budget_bytes
+    low, high = 0, loaded.context_length
+    while low < high:  # kv_bytes_for grows with the tokens: the largest count within the budget
+        middle = (low + high + 1) // 2
+        if engine.kv_bytes_for(middle) <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _admission(model: ModelResource | None) -> dict[str, Any] | None:
+    """flow admits on KV memory: a request whose prompt + max_tokens would need more KV than the budget is a 400
+    before any work. ``memory_budget_bytes`` is the graph's ``kv_budget_bytes`` (null: the machine's default, half
+    its memory); ``usable_bytes`` is the budget in effect (what one request's KV may use)."""
+    if model is None:
+        return None
+    loaded = model.loaded
+    return {"max_safe_context": _max_safe_context(model), "memory_budget_bytes": model.config.kv_budget_bytes,
+            "usable_bytes": model.kv_budget_bytes, "weights_bytes": loaded.weight_bytes if loaded else None,
+            "context_length": loaded.context_length if loaded else None}
+
+
+def _batch(model: ModelResource | None) -> dict[str, Any] | None:
+    """Continuous batching is always on in flow; ``configured`` is the model's ``max_batch`` (rows at once)."""
+    if model is None:
+        return None
+    engine = model.loaded.engine if model.loaded is not None else None
+    return {"configured": model.config.max_batch, "batched": model.config.max_batch > 1,
+            "active_rows": engine.active if engine is not None else 0,
+            "waiting": engine.waiting if engine is not None else 0, "strategy": model.config.strategy}

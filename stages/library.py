@@ -8,13 +8,24 @@
 * ``downloads.manage``: ``GET`` lists the ``downloads`` resource's recent downloads, ``POST {"repo"}``
   queues one. Offline, a POST is a 503 that says so.
 
-Each answer says whether the hub is offline.
+Each answer says whether the hub is offline, and carries the reference server's shape beside flow's own list
+(``{object: "list", data: [...]}``, which the console reads): ``GET /library`` → ``models`` (the same entries, with
+the reference's ``model_type``); ``GET /downloads`` → ``downloads`` (the reference's records:
+:meth:`~flow.downloads.Download.reference_json`); ``GET /fit`` → ``machine``, ``context_tokens``,
+``typical_context_tokens``, ``typical_decode_tps``, ``measured_decode_tps``, ``measured_at``, ``report``,
+``sku_matrix_ctx`` and ``sku_matrix`` for the first model assessed (:func:`reference_fit`).
 """
 
 from __future__ import annotations
 
+import calendar
 import json
+import os
+import platform
+import subprocess
+import sys
 import time
+from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import parse_qs
@@ -23,7 +34,8 @@ import trio
 from pydantic import Field
 
 from flow.downloads import DownloadsResource, hub_offline, valid_repo_id
-from flow.fit import Fit, assess
+from flow.capabilities import data_dir
+from flow.fit import BENCH_FILE, Fit, assess
 from flow.local_models import LocalModel, find_local_models
 from flow.resource import Reference
 from flow.resources import MODEL_REFERENCES, ModelResource
@@ -110,11 +122,12 @@ class LibraryList(_ServedModelsEndpoint):
                 "repo_id": model.id, "source": model.source, "kind": model.kind, "family": model.family,
                 "size_bytes": model.size_bytes, "quant_bits": model.quantization_bits,
                 "vision": model.kind == "vision", "audio": model.kind == "audio",
+                "model_type": model.model_type,
                 "smoke_test": model.smoke_test, "supported": model.kind in SERVABLE_KINDS,
                 "serving": _serving(model, self.models),
                 "assessment": fit.assessment() if fit is not None else None,
             })
-        return {"object": "list", "offline": hub_offline(), "data": data}
+        return {"models": data, "object": "list", "offline": hub_offline(), "data": data}
 
 
 class FitConfig(StageConfig):
@@ -146,7 +159,7 @@ class FitCheck(_ServedModelsEndpoint):
                                    param="model", code="model_not_found")
                 targets = [(found.id, found.path, None)]
 
-        def run() -> list[dict[str, Any]]:
+        def run() -> tuple[list[Fit], dict[str, Any]]:
             out = []
             for name, path, served in targets:
                 kwargs: dict[str, Any] = {}
@@ -155,12 +168,124 @@ class FitCheck(_ServedModelsEndpoint):
                     kwargs = {"max_batch": c.max_batch, "prefill_chunk": c.prefill_chunk,
                               "kv_budget_bytes": served.kv_budget_bytes}
                 try:
-                    out.append(assess(name, path, **kwargs).json())
+                    out.append(assess(name, path, **kwargs))
                 except ValueError as exc:
                     raise ApiError("invalid_request", f"{name}: {exc}", param="model") from None
-            return out
+            return out, reference_fit(out[0] if out else None)
 
-        return {"object": "list", "offline": hub_offline(), "data": await trio.to_thread.run_sync(run)}
+        fits, reference = await trio.to_thread.run_sync(run)
+        return {**reference, "object": "list", "offline": hub_offline(), "data": [f.json() for f in fits]}
+
+
+# ------------------------------------------------------------------------------ /fit in the reference's shape
+
+GB = 1 << 30
+TYPICAL_CONTEXT = 8192  # the reference's typical context: min(8192, context_tokens)
+SKU_MATRIX_CONTEXT = 32768  # the context each SKU's row is judged at (the model's own, if shorter)
+# Apple silicon as sold: (chip, unified memory in GB, memory bandwidth in GB/s, Apple's published figures).
+APPLE_SKUS: tuple[tuple[str, int, float], ...] = (
+    ("M1", 8, 68.25), ("M1", 16, 68.25), ("M1 Pro", 16, 200), ("M1 Pro", 32, 200), ("M1 Max", 32, 400),
+    ("M1 Max", 64, 400), ("M1 Ultra", 64, 800), ("M1 Ultra", 128, 800),
+    ("M2", 8, 100), ("M2", 16, 100), ("M2", 24, 100), ("M2 Pro", 16, 200), ("M2 Pro", 32, 200),
+    ("M2 Max", 32, 400), ("M2 Max", 64, 400), ("M2 Max", 96, 400), ("M2 Ultra", 64, 800),
+    ("M2 Ultra", 128, 800), ("M2 Ultra", 192, 800),
+    ("M3", 8, 100), ("M3", 16, 100), ("M3", 24, 100), ("M3 Pro", 18, 150), ("M3 Pro", 36, 150),
+    ("M3 Max", 36, 300), ("M3 Max", 48, 400), ("M3 Max", 64, 400), ("M3 Max", 96, 300), ("M3 Max", 128, 400),
+    ("M3 Ultra", 96, 819), ("M3 Ultra", 256, 819), ("M3 Ultra", 512, 819),
+    ("M4", 16, 120), ("M4", 24, 120), ("M4", 32, 120), ("M4 Pro", 24, 273), ("M4 Pro", 48, 273),
+    ("M4 Pro", 64, 273), ("M4 Max", 36, 410), ("M4 Max", 48, 546), ("M4 Max", 64, 546), ("M4 Max", 128, 546),
+)
+
+
+@cache
+def _chip() -> str:
+    """This machine's processor as the system names it (``Apple M4 Pro``; on Linux the CPU's model name)."""
+    try:
+        if sys.platform == "darwin":
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5, check=True).stdout.strip() or platform.machine()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):  # x86's model name; an Arm board's Model
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _measured_at(model_id: str) -> int | None:
+    """When ``flow bench`` recorded the model's decode figure (unix ms), if it did (flow.fit's BENCH_FILE)."""
+    try:
+        entry = json.loads((data_dir() / BENCH_FILE).read_text()).get(model_id)
+        return calendar.timegm(time.strptime(entry["at"], "%Y-%m-%dT%H:%M:%SZ")) * 1000
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _decode_tps(bandwidth_bytes: float, fit: Fit, context: int) -> float:
+    """Decode tok/s with ``context`` tokens in the KV: a step reads the active weights and the KV once each (the
+    report's predicted_decode_tps, flow's figure, counts the weights only)."""
+    read = fit.active_weight_bytes + fit.kv_bytes_per_token * context
+    return round(bandwidth_bytes / read, 1) if read else 0.0
+
+
+def _safe_context(fit: Fit, usable: int, budget: int) -> int:
+    """flow.fit's maximum safe context on a machine with ``usable`` memory and a KV ``budget``."""
+    room = usable - fit.weight_bytes - fit.transient_bytes
+    if fit.kv_bytes_per_token <= 0:
+        return fit.context_length if room > 0 else 0
+    return max(0, min(fit.context_length, budget // fit.kv_bytes_per_token, room // fit.kv_bytes_per_token))
+
+
+def _sku_row(fit: Fit, chip: str, ram_gb: int, bandwidth_gbs: float, context: int) -> dict[str, Any]:
+    """One SKU, judged as flow.fit judges this machine: Metal's recommended working set as usable memory
+    (about two thirds of the memory up to 36 GB, three quarters above: macOS's own split, approximated), a KV
+    budget of half the memory (flow's default admission ceiling), at most ``context`` tokens."""
+    ram = ram_gb * GB
+    usable = ram * 3 // 4 if ram_gb > 36 else ram * 2 // 3
+    safe = min(context, _safe_context(fit, usable, ram // 2))
+    fits = usable > fit.weight_bytes + fit.transient_bytes and safe > 0
+    return {"sku": f"{chip} {ram_gb} GB", "ram_gb": ram_gb, "fits": fits, "max_context": safe,
+            "decode_tps": _decode_tps(bandwidth_gbs * 1e9, fit, safe) if fits else 0.0,
+            "bandwidth_gbs": bandwidth_gbs}
+
+
+def reference_fit(fit: Fit | None) -> dict[str, Any]:
+    """``GET /fit`` in the reference's shape, for ``fit`` (None: nothing to assess, only the machine), every field
+    from flow.fit's figures: ``context_tokens`` is the admission ceiling (the maximum safe context),
+    ``report.kv_bytes`` the KV at that context, ``total_bytes`` weights + KV + transients. Blocking (a worker
+    thread): it may read the system's chip name once."""
+    machine = {"chip": _chip(), "ram_bytes": _ram_bytes(),
+               "bandwidth_gbs": fit.bandwidth_gbps if fit is not None else None,
+               "usable_bytes": fit.usable_bytes if fit is not None else None,
+               "bandwidth_source": fit.bandwidth_source if fit is not None else None}
+    if fit is None:
+        return {"model": None, "machine": machine, "context_tokens": None, "typical_context_tokens": None,
+                "typical_decode_tps": None, "measured_decode_tps": None, "measured_at": None, "report": None,
+                "sku_matrix_ctx": None, "sku_matrix": []}
+    context = fit.max_safe_context
+    typical = min(TYPICAL_CONTEXT, context)
+    kv = fit.kv_bytes_per_token * context
+    matrix_context = min(SKU_MATRIX_CONTEXT, fit.context_length)
+    measured = fit.measured_decode_tps
+    return {
+        "model": fit.model, "machine": machine, "context_tokens": context, "typical_context_tokens": typical,
+        "typical_decode_tps": _decode_tps(fit.bandwidth_gbps * 1e9, fit, typical),
+        "measured_decode_tps": measured, "measured_at": _measured_at(fit.model) if measured is not None else None,
+        "report": {"fits": fit.fits, "weights_bytes": fit.weight_bytes, "kv_bytes": kv,
+                   "transient_bytes": fit.transient_bytes, "total_bytes": fit.weight_bytes + kv + fit.transient_bytes,
+                   "usable_bytes": fit.usable_bytes, "max_safe_context": fit.max_safe_context,
+                   "predicted_decode_tps": fit.predicted_decode_tps, "kv_bytes_per_token": fit.kv_bytes_per_token,
+                   "kv_budget_bytes": fit.kv_budget_bytes},
+        "sku_matrix_ctx": matrix_context,
+        "sku_matrix": [_sku_row(fit, chip, ram, bandwidth, matrix_context) for chip, ram, bandwidth in APPLE_SKUS],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- downloads
@@ -185,8 +310,9 @@ class DownloadsManage(EndpointStage):
     async def answer(self, http: HttpRequest) -> dict[str, Any]:
         if http.method == "POST":
             return self.queue(http)
-        return {"object": "list", "offline": hub_offline(),
-                "data": [d.json() for d in reversed(self.resource.downloads)]}
+        recent = list(reversed(self.resource.downloads))
+        return {"downloads": [d.reference_json() for d in recent], "object": "list", "offline": hub_offline(),
+                "data": [d.json() for d in recent]}
 
     def queue(self, http: HttpRequest) -> dict[str, Any]:
         try:
