@@ -42,7 +42,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeGuard
 
 import trio
 from pydantic import Field
@@ -62,7 +62,7 @@ REFERENCE_STATES: dict[State, str] = {"queued": "active", "running": "active", "
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 
 
-def valid_repo_id(repo: object) -> bool:
+def valid_repo_id(repo: object) -> TypeGuard[str]:
     """Whether ``repo`` is an ``owner/name`` id the hub accepts (no ``..``, no control characters)."""
     return isinstance(repo, str) and REPO_ID.fullmatch(repo) is not None and ".." not in repo
 

@@ -287,7 +287,8 @@ def _kv_dtype(engine: Any) -> str:
         from mlx.utils import tree_flatten
 
         name = "bf16"  # mlx-lm's default activation type, for a model with no floating parameter at all
-        for _, value in tree_flatten(engine.model.parameters()):
+        for item in tree_flatten(engine.model.parameters()):
+            value = item[1] if isinstance(item, tuple) else None
             if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
                 text = str(value.dtype).rsplit(".", 1)[-1]
                 name = _DTYPE_NAMES.get(text, text)
