@@ -14,12 +14,17 @@ import binascii
 import io
 import logging
 import re
+from collections.abc import Callable
+from contextvars import ContextVar
 from html import escape
 
 from protocols.errors import ApiError
 
 MAX_DOCUMENT_BYTES = 32 * 1024 * 1024  # Anthropic's request limit: a bigger document could not arrive anyway
 MAX_PDF_PAGES = 100  # as Anthropic's PDF support
+# Pages and bytes do not bound a PDF's cost (pages may share one content stream of thousands of operators):
+# the documents of one request get this much CPU time, in all, to be read.
+PDF_CPU_SECONDS = 10.0
 TEXT_TYPES = ("text/plain", "text/markdown", "text/csv", "text/html", "text/xml", "application/json",
               "application/xml", "application/x-yaml", "text/x-python")
 ACCEPTED = "plain text (text/*, JSON, XML, YAML) or application/pdf, inline (base64 or a data: URL)"
@@ -91,14 +96,31 @@ def _guess(filename: str) -> str:
     return mimetypes.guess_type(filename)[0] or "application/octet-stream"
 
 
-def pdf_text(data: bytes, where: str) -> str:
-    """A PDF's text, page by page (pypdf): a 400 for a file that is not a readable PDF, or one that is too big."""
-    from pypdf import PdfReader
-    from pypdf.errors import PyPdfError
+class NeedsWorker(Exception):
+    """Raised by the reader a decode on the event loop sets: this request carries work that must run elsewhere
+    (a PDF), so its decoder starts again on a worker thread. Decoding is pure, so starting again is safe."""
 
+
+PdfReader = Callable[[bytes, str], str]
+# How this decode reads a PDF's text: unset, in this thread (tools, tests); the server sets a reader that
+# runs each PDF in a child process within the request's CPU budget, or one that raises NeedsWorker.
+pdf_reader: ContextVar[PdfReader | None] = ContextVar("pdf_reader", default=None)
+
+
+def pdf_text(data: bytes, where: str) -> str:
+    """A PDF's text, page by page, by the reader this decode has: a 400 for a file that is not a readable
+    PDF, a 413 for one that is too big."""
     if len(data) > MAX_DOCUMENT_BYTES:
         raise ApiError("request_too_large", f"'{where}' is larger than {MAX_DOCUMENT_BYTES // 2**20} MiB.",
                        param=where)
+    return (pdf_reader.get() or extract_pdf_text)(data, where)
+
+
+def extract_pdf_text(data: bytes, where: str) -> str:
+    """The text of a PDF with pypdf, here and now: call it through :func:`pdf_text`."""
+    from pypdf import PdfReader
+    from pypdf.errors import PyPdfError
+
     try:
         reader = PdfReader(io.BytesIO(data), strict=False)
         if reader.is_encrypted:

@@ -57,6 +57,10 @@ class ApiError(Exception):
     def __post_init__(self) -> None:
         super().__init__(self.message)
 
+    def __reduce__(self) -> tuple[type[ApiError], tuple[object, ...]]:
+        # Pickled by its fields (an error raised in a worker process comes back as itself).
+        return type(self), (self.kind, self.message, self.param, self.code, self.retry_after)
+
     @property
     def status(self) -> int:
         return STATUS[self.kind]

@@ -35,7 +35,7 @@ from protocols import openai_chat
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, ProtocolContext
 from protocols.validation import parse_json_body
-from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat
+from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat, decode_on_worker
 
 
 
@@ -197,7 +197,7 @@ class AgentsGenerateDecode(ProtocolDecode):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
         async for http in inbox:  # reading a long history is file IO: off the event loop
-            await outbox.send(await trio.to_thread.run_sync(self.decode, http, int(time.time())))
+            await outbox.send(await decode_on_worker(self.decode, http, int(time.time())))
 
     def decode(self, http: HttpRequest, created: int) -> ChatRequest:
         agent_id = http.param("agent_id")

@@ -26,7 +26,7 @@ from protocols import openai_responses
 from protocols.errors import ApiError
 from protocols.openai_responses import ResponsesContext
 from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message
-from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat
+from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat, decode_on_worker
 
 
 class StoreConfig(StageConfig):
@@ -53,7 +53,7 @@ class OpenAIResponsesDecode(ProtocolDecode):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
         async for http in inbox:  # previous_response_id reads the store's file: off the event loop
-            await outbox.send(await trio.to_thread.run_sync(self.decode, http, int(time.time())))
+            await outbox.send(await decode_on_worker(self.decode, http, int(time.time())))
 
     def _previous(self, response_id: str) -> tuple[Message, ...] | None:
         entry = self.store.get(response_id)

@@ -10,13 +10,17 @@ function and its :class:`~protocols.codec.Codec`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 import trio
 from pydantic import Field
 
+from flow.isolation import Budget, BudgetExceeded, ChildFailed, run_bounded
 from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, note_request
+from protocols import documents
 from protocols.codec import JSON_HEADERS
+from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
     FinalResult,
@@ -63,6 +67,72 @@ async def dumps_in_pieces(obj: Any) -> bytes:
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+T = TypeVar("T")
+
+# A body up to this size is decoded on the event loop (well under a millisecond, no thread hop), unless it
+# carries a document; a larger one on a worker thread.
+INLINE_BODY_BYTES = 16 << 10
+# Decoding threads at once: each holds the GIL in turns with the event loop, which waits for every other
+# runnable thread's turn (5 ms each), so a flood of large bodies must not become a flood of threads.
+DECODE_THREADS = trio.CapacityLimiter(2)
+
+
+class BoundedDocuments:
+    """How one request's decode reads PDFs: each in a child process (flow.isolation), all of them within
+    ``documents.PDF_CPU_SECONDS``; over it, a 413 that names the limit."""
+
+    def __init__(self) -> None:
+        self.left = documents.PDF_CPU_SECONDS
+
+    def __call__(self, data: bytes, where: str) -> str:
+        started = time.monotonic()
+        try:
+            if self.left <= 0:
+                raise BudgetExceeded("cpu", Budget(cpu_seconds=0))
+            return run_bounded(documents.extract_pdf_text, data, where, budget=Budget(cpu_seconds=self.left))
+        except BudgetExceeded as exc:
+            limit = {"cpu": f"{documents.PDF_CPU_SECONDS:g} s of CPU", "time": "its time",
+                     "memory": f"{exc.budget.memory_bytes >> 20} MiB of memory"}[exc.limit]
+            raise ApiError("request_too_large", f"Reading the text of '{where}' was stopped: a request's documents "
+                           f"may take at most {limit} to read. Send fewer or simpler pages, or their text.",
+                           param=where) from None
+        except ChildFailed as exc:
+            raise ApiError("invalid_request", f"'{where}' is not a readable PDF ({exc}).", param=where) from None
+        finally:
+            self.left -= time.monotonic() - started  # wall time: at least the CPU time the child had
+
+
+def _refuse_on_loop(data: bytes, where: str) -> str:
+    raise documents.NeedsWorker(where)
+
+
+def _decode_with_bounded_documents(decode: Callable[..., T], http: HttpRequest, *args: Any) -> T:
+    token = documents.pdf_reader.set(BoundedDocuments())
+    try:
+        return decode(http, *args)
+    finally:
+        documents.pdf_reader.reset(token)
+
+
+async def decode_off_loop(decode: Callable[..., T], http: HttpRequest, *args: Any) -> T:
+    """``decode(http, *args)`` without stalling the event loop: a small body inline, unless it carries a
+    document; anything else on a worker thread, its PDFs read in bounded child processes."""
+    if len(http.body) <= INLINE_BODY_BYTES:
+        token = documents.pdf_reader.set(_refuse_on_loop)
+        try:
+            return decode(http, *args)
+        except documents.NeedsWorker:
+            pass
+        finally:
+            documents.pdf_reader.reset(token)
+    return await decode_on_worker(decode, http, *args)
+
+
+async def decode_on_worker(decode: Callable[..., T], http: HttpRequest, *args: Any) -> T:
+    """``decode(http, *args)`` on a worker thread (one that reads a store's file, or a large body), its PDFs
+    read in bounded child processes."""
+    return await trio.to_thread.run_sync(_decode_with_bounded_documents, decode, http, *args,
+                                         limiter=DECODE_THREADS)
 
 
 class BodyDecode(EntryStage[HttpRequest, Out]):
@@ -75,7 +145,7 @@ class BodyDecode(EntryStage[HttpRequest, Out]):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[Out]) -> None:
         async for http in inbox:
-            await outbox.send(self.decode(http))
+            await outbox.send(await decode_off_loop(self.decode, http))
 
 
 class JsonFormat(ExitStage[In, WireFrame]):
@@ -102,7 +172,7 @@ class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
         async for http in inbox:
-            await outbox.send(self.decode(http, int(time.time())))
+            await outbox.send(await decode_off_loop(self.decode, http, int(time.time())))
 
 
 class EndpointStage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
