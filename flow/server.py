@@ -46,6 +46,7 @@ from flow import hypercorn_fixes
 from flow.compiler import CompiledGraph, CompileError
 from flow.guard import Guard
 from flow.live import Generation, LiveGraph, ReloadRefused, ReloadReport
+from flow.loop_watch import LoopWatch
 from flow.observe import Observer, RecentRequest
 from flow.resources import ModelResource
 from flow.runner import RouteRunner
@@ -116,6 +117,7 @@ class FlowServer:
         self.on_reload: Callable[[], None] | None = None  # the HTTP app refreshes its limits
         self.observer = Observer(self)
         self.metrics = self.observer.metrics
+        self.loop_watch = LoopWatch(self.metrics)  # the event loop's lag; stalls logged with their culprit
 
     # ------------------------------------------------------------------ the live graph
     @property
@@ -138,6 +140,7 @@ class FlowServer:
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the device thread and the first graph's resources (concurrently); their background duties
         run in ``nursery``."""
+        nursery.start_soon(self.loop_watch.run)
         self.device.start()
         await self.live.start(nursery)
         self.started = True

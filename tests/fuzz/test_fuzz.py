@@ -14,6 +14,8 @@ The long run is ``scripts/fuzz.py --minutes N``.
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
@@ -27,11 +29,22 @@ EXAMPLES = {"chat": 110, "completions": 70, "responses": 70, "messages": 90, "co
             "agent_patch": 30, "agent_generate": 60, "embeddings": 40, "rerank": 30, "speech": 25, "lookup": 30,
             "transcriptions": 40}
 MINIMIZE_SECONDS = 30.0  # per endpoint, for making failing cases smaller
+# No case may hold the server's event loop longer than this (its own watch: /stats event_loop). Stalls its
+# stack shows as waiting — the loaded machine gave the process no core — are the machine's, not a case's.
+STALL_BOUND_MS = 250.0
+
+
+def loop_stalls(server: FlowProcess, client: httpx.Client, since: float) -> list[dict[str, object]]:
+    """The stalls over STALL_BOUND_MS, held by work, that began after ``since`` (a time.time())."""
+    stats = client.get(server.url + "/stats", timeout=30).json()["event_loop"]
+    return [stall for stall in stats["recent_stalls"]
+            if stall["at"] >= since and stall["held_by"] != "waiting" and stall["ms"] > STALL_BOUND_MS]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fuzz(name: str, fuzz_server: FlowProcess, fuzz_client: httpx.Client) -> None:
     found = Collector()
+    started = time.time()
 
     def fuzz(case: Case) -> None:
         found.add(run_case(fuzz_server, case, client=fuzz_client))
@@ -41,6 +54,8 @@ def test_fuzz(name: str, fuzz_server: FlowProcess, fuzz_client: httpx.Client) ->
         test = example(case=case)(test)
     settings(max_examples=EXAMPLES[name], deadline=None, database=None, derandomize=True, print_blob=False,
              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))(test)()
+    stalls = loop_stalls(fuzz_server, fuzz_client, started)
+    assert not stalls, f"cases of {name} held the event loop over {STALL_BOUND_MS:g} ms: {stalls}"
     if found.hits:
         found.minimize(fuzz_server, client=fuzz_client, seconds=MINIMIZE_SECONDS, crash_budget=3)
         pytest.fail(found.report(fuzz_server.url), pytrace=False)
