@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="repeat each run; medians are reported")
     args = parser.parse_args(argv)
     from runtime.tiny import ensure_tiny_model
-    from runtime.tiny_adapters import build_tiny_adapter
+    from runtime.tiny.adapters import build_tiny_adapter
 
     model_dir = ensure_tiny_model(args.model[5:]) if args.model.startswith("tiny:") else Path(args.model).expanduser()
     engine = argparse.Namespace(max_batch=32, prefill_chunk=512, strategy="decode_first")

@@ -26,7 +26,7 @@ import pytest
 
 from flow.capabilities import data_dir
 from flow.compiler import compile_tables
-from runtime.tiny_adapters import build_tiny_adapter
+from runtime.tiny.adapters import build_tiny_adapter
 from tests.harness import RunningServer, running_server, tables_with_prefix_cache
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about adapters."}]

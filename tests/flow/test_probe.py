@@ -92,7 +92,7 @@ def test_a_store_from_before_kinds_keeps_its_rows(tmp_path: Path) -> None:
 def test_probe_records_a_vision_models_image_capabilities(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     from runtime.tiny import PRESETS
-    from runtime.tiny_vlm import image_tokens
+    from runtime.tiny.vlm import image_tokens
 
     db = tmp_path / "caps.sqlite"
     assert main(["probe", "tiny:tiny-smolvlm", "--max-tokens", "8", "--db", str(db)]) == 0

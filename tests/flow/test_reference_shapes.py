@@ -21,7 +21,7 @@ import pytest
 from flow.compiler import compile_tables
 from flow.fit import record_measured_decode_tps
 from runtime.tiny import TinySpec, ensure_tiny_model
-from runtime.tiny_adapters import build_tiny_adapter
+from runtime.tiny.adapters import build_tiny_adapter
 from tests.fake_hub import hub_switched_on
 from tests.harness import RunningServer, running_server, tables_with_model, tables_with_prefix_cache
 

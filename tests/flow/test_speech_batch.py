@@ -21,7 +21,7 @@ import pytest
 from flow.compiler import compile_tables
 from protocols.openai_speech import sentences
 from runtime.tiny import ensure_tiny_model
-from runtime.tiny_audio import QWEN3_TTS_FRAME_SAMPLES
+from runtime.tiny.audio import QWEN3_TTS_FRAME_SAMPLES
 from tests.flow.test_speech import decoded
 from tests.harness import RunningServer, running_server, tables_with_model
 

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.utils import load_model
 
 from runtime.adapters import AdapterError, AdapterLinear, AdapterSet, load_adapter, read_adapter_files, same_base
-from runtime.tiny_adapters import build_tiny_adapter
+from runtime.tiny.adapters import build_tiny_adapter
 
 LAYER = "model.layers.0.self_attn.q_proj"
 

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from runtime.tiny import PRESETS, arch_info, build_tiny_model, ensure_tiny_model
-from runtime.tiny_archs import FAMILY_ARCHS
+from runtime.tiny.archs import FAMILY_ARCHS
 
 FAMILY_PRESETS = {name: spec.arch for name, spec in PRESETS.items() if spec.arch in FAMILY_ARCHS or
                   spec.arch == "qwen3_next"}

@@ -15,7 +15,7 @@ from PIL import Image
 
 from runtime.model_kinds import detect_kind_of
 from runtime.tiny import PRESETS, TinySpec, ensure_tiny_model, is_smoke_test_model
-from runtime.tiny_vlm import VisionSpec, image_tokens
+from runtime.tiny.vlm import VisionSpec, image_tokens
 
 VLM_PRESETS = ("tiny-smolvlm", "tiny-gemma3-vision")
 PLACEHOLDER = {"idefics3": "<image>", "gemma3_vision": "<start_of_image>"}

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from runtime.tiny_templates import (
+from runtime.tiny.templates import (
     DEEPSEEK_R1_TEMPLATE,
     DEEPSEEK_V31_TEMPLATE,
     GEMMA4_TEMPLATE,

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 
 if TYPE_CHECKING:
     from runtime.tiny import TinySpec
-    from runtime.tiny_archs import ArchInfo
+    from runtime.tiny.archs import ArchInfo
 
 _INIT_STD = 0.02
 _ROWS_COLS = 6  # SmolVLM's vocabulary holds <row_1_col_1> … <row_6_col_6>
@@ -86,7 +86,7 @@ VLM_ARCHS = ("idefics3", "gemma3_vision")
 
 
 def _idefics3_info() -> ArchInfo:
-    from runtime.tiny_archs import ArchInfo
+    from runtime.tiny.archs import ArchInfo
 
     rows_cols = tuple(f"<row_{r}_col_{c}>" for r in range(1, _ROWS_COLS + 1) for c in range(1, _ROWS_COLS + 1))
     return ArchInfo(

@@ -47,8 +47,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from runtime.tiny_archs import FAMILY_ARCHS, ArchInfo, qwen3_next_fields
-from runtime.tiny_vlm import VLM_ARCHS, VisionSpec
+from runtime.tiny.archs import FAMILY_ARCHS, ArchInfo, qwen3_next_fields
+from runtime.tiny.vlm import VLM_ARCHS, VisionSpec
 
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
                "seed_oss", "qwen3_5", "gemma4", "phi3", "granite", "granitemoehybrid", "llama4_text", "hermes3",
@@ -853,13 +853,13 @@ def _write_model_files(out: Path, spec: TinySpec) -> None:
         _write_encoder_files(out, spec)
         return
     if spec.arch in ("whisper", "soprano", "qwen3_tts"):
-        from runtime.tiny_audio import write_qwen3_tts_files, write_soprano_files, write_whisper_files
+        from runtime.tiny.audio import write_qwen3_tts_files, write_soprano_files, write_whisper_files
 
         writers = {"whisper": write_whisper_files, "soprano": write_soprano_files, "qwen3_tts": write_qwen3_tts_files}
         writers[spec.arch](out, spec)
         return
     if spec.arch in VLM_ARCHS:
-        from runtime.tiny_vlm import write_vlm_files
+        from runtime.tiny.vlm import write_vlm_files
 
         write_vlm_files(out, spec)
         return
