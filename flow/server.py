@@ -445,7 +445,9 @@ async def serve(server: FlowServer, host: str, port: int, *,
             # A connection with no request in progress — idle, or still sending its request's headers (a
             # slowloris) — is closed after this; bodies have their own deadline (body_timeout_seconds).
             config.keep_alive_timeout = spec.idle_timeout_seconds
-            config.graceful_timeout = grace + 5  # room for the last requests' error events
+            # Connections still open a second past the grace (a half-sent body, the last error events) are closed:
+            # the process exits about a second after the grace, inside the supervisor's (flow.spec).
+            config.graceful_timeout = grace + 1
             config.accesslog = None
             config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root logger's
             async with trio.open_nursery() as nursery:

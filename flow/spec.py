@@ -43,7 +43,9 @@ class ServerSpec(BaseModel):
         default=30.0, gt=0, description="a connection idle or still sending its headers is closed after this")
     body_timeout_seconds: float = Field(default=60.0, gt=0, description="a request body must arrive within this")
     shutdown_grace_seconds: float = Field(
-        default=30.0, ge=0, description="on SIGTERM/SIGINT, time running requests get to finish")
+        default=8.0, ge=0, description="on SIGTERM/SIGINT, time running requests get to finish; then they end with "
+                                       "an error in their protocol and the process exits within about a second "
+                                       "(8 s: inside docker stop's 10 s; set it ~2 s under a supervisor's grace)")
     default_exit: str | None = Field(
         default=None, description="the exit stage whose protocol shapes errors for paths no route's prefix "
                                   "matches (unknown routes, 413 before routing); default: the first route's exit")

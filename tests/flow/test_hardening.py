@@ -373,3 +373,84 @@ def test_sigterm_drains_streams_then_ends_them_in_their_protocol(tiny_qwen3: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_at_sigterm_a_stream_ends_cleanly_before_docker_stops_kills(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """With the default grace, a stream running at SIGTERM gets that long, then its protocol's own end, and the
+    process exits before ``docker stop``'s 10 s, even with a connection that never finishes its request."""
+    from flow.spec import ServerSpec
+
+    grace = ServerSpec().shutdown_grace_seconds
+    docker_stop = 10.0
+    assert grace + 1 < docker_stop  # the streams' ends, then at most a second for connections still open
+    port = free_port()
+    graph = tmp_path / "graph.toml"  # no [server] table: the default grace
+    graph.write_text(f'extends = "{GRAPHS / "default.toml"}"\n'
+                     f'[resources.model]\npath = "{tiny_qwen3}"\nname = "tiny"\naliases = ["default"]\n')
+    env = {**os.environ, "FLOW_DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--port", str(port)],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "flow serve did not start"
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        added = json.loads((tiny_qwen3 / "tokenizer.json").read_text())["added_tokens"]
+        never_end = {str(t["id"]): -100 for t in added if t["special"]}  # runs until max_tokens or the stop
+        endless = {**B, "max_tokens": 4000, "stream": True, "logit_bias": never_end,
+                   "messages": [{"role": "user", "content": "go on"}]}
+        unbiased = {key: value for key, value in endless.items() if key != "logit_bias"}  # not in the Messages API
+        bodies = [("/v1/chat/completions", endless), ("/v1/messages", unbiased)]
+        import threading
+
+        results: list[bytes] = [b""] * len(bodies)
+        ended: list[float] = [0.0] * len(bodies)
+        started = threading.Barrier(len(bodies) + 1)
+
+        def stream(i: int, path: str, body: dict[str, Any]) -> None:
+            with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+                chunks = r.iter_bytes()
+                results[i] = next(chunks)
+                started.wait()
+                for chunk in chunks:
+                    results[i] += chunk
+            ended[i] = time.monotonic()
+
+        threads = [threading.Thread(target=stream, args=(i, p, b), daemon=True) for i, (p, b) in enumerate(bodies)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=120)
+        # A request that never finishes sending its body: it has no run to end; only the stop's deadline closes it.
+        stuck = socket.create_connection(("127.0.0.1", port))
+        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\"")
+        time.sleep(0.5)  # read by the server (not asserted: without it, the connection only counts less)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        exited = time.monotonic() - stopped
+        for t in threads:
+            t.join(60)
+        stuck.close()
+        assert exited < docker_stop, f"exited {exited:.1f} s after SIGTERM: docker stop would have killed it"
+        chat, messages = results
+        if b'"finish_reason":"length"' in chat:  # a device fast enough to write 4000 tokens within the grace
+            assert chat.rstrip().endswith(b"data: [DONE]"), chat[-300:]
+        else:  # given the whole grace, then ended in its protocol: an error event and the stream's end
+            assert b'"server_overloaded"' in chat and b"shutting down" in chat, chat[-300:]
+            assert chat.rstrip().endswith(b"data: [DONE]"), chat[-300:]
+            assert grace - 0.5 < ended[0] - stopped < docker_stop, ended[0] - stopped
+        assert b"event: message_stop" in messages or (  # without logit_bias, it may end by itself
+            b"event: error" in messages and b"overloaded_error" in messages and b"shutting down" in messages), \
+            messages[-300:]
+        log = proc.stderr.read() if proc.stderr else ""
+        assert "received SIGTERM" in log and "Traceback" not in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
