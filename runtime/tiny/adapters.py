@@ -18,6 +18,7 @@ def build_tiny_adapter(model_dir: Path, dest: Path, *, rank: int = 4, scale: flo
                        layout: Literal["mlx-lm", "peft"] = "mlx-lm") -> Path:
     """Write an adapter for the model in ``model_dir`` to ``dest``: ``mlx_lm.tuner``'s LoRA layers on the last
     ``num_layers`` blocks (-1: all) at ``keys``, with random factors (``lora_b`` too, so it changes the output)."""
+    # mlx-lm takes seconds to import (it brings transformers): only a build of an adapter pays for it.
     from mlx_lm.tuner.utils import linear_to_lora_layers
     from mlx_lm.utils import load_model
 

@@ -1,9 +1,10 @@
-"""What differs between the tiny models' architectures (``runtime/tiny.py``), and the families' ones.
+"""What differs between the tiny text models' architectures: the first three (qwen3, llama, gemma3) and the
+model families' ones.
 
 :class:`ArchInfo` holds, per architecture, what its real checkpoints have: special tokens, which of
 them end generation, the chat template, and — for the architectures added for the model families
 (:data:`FAMILY_ARCHS`) — the mlx-lm module and the config.json fields it needs beyond the common
-ones (``fields``, given the layer count).
+ones (``fields``, given the layer count). :data:`ARCHS` is the whole table, keyed by ``TinySpec.arch``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from runtime.tiny.templates import (
     DEEPSEEK_R1_TEMPLATE,
     DEEPSEEK_V31_TEMPLATE,
+    GEMMA3_TEMPLATE,
     GEMMA4_TEMPLATE,
     GPT_OSS_TEMPLATE,
     GRANITE_4_TEMPLATE,
@@ -22,10 +24,12 @@ from runtime.tiny.templates import (
     HERMES3_DEFAULT_TEMPLATE,
     HERMES3_TOOL_USE_TEMPLATE,
     KIMI_K2_TEMPLATE,
+    LLAMA31_TEMPLATE,
     LLAMA4_TEMPLATE,
     MINICPM5_TEMPLATE,
     MINIMAX_M2_TEMPLATE,
     PHI4_MINI_TEMPLATE,
+    QWEN3_TEMPLATE,
     QWEN35_TEMPLATE,
     SEED_OSS_TEMPLATE,
 )
@@ -143,7 +147,7 @@ def _qwen3_5_fields(layers: int) -> dict[str, Any]:
     }
 
 
-def qwen3_next_fields(layers: int) -> dict[str, Any]:
+def _qwen3_next_fields(layers: int) -> dict[str, Any]:
     """Qwen3-Next: gated-delta layers with full attention every second one, a mixture of experts with a shared one."""
     return {
         "linear_num_value_heads": 4,
@@ -492,3 +496,88 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
 }
 # deepseek-ai/DeepSeek-R1: V3's architecture and vocabulary, R1's template.
 FAMILY_ARCHS["deepseek_r1"] = replace(FAMILY_ARCHS["deepseek_v3"], chat_template=DEEPSEEK_R1_TEMPLATE)
+
+
+# The first three architectures, as their real checkpoints have them.
+_FIRST_ARCHS: dict[str, ArchInfo] = {
+    "qwen3": ArchInfo(
+        model_type="qwen3",
+        architecture="Qwen3ForCausalLM",
+        special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        added=("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"),
+        reserved_fmt="<|extra_{}|>",
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        unk=None,
+        prepend_bos=False,
+        config_bos="<|endoftext|>",
+        config_eos=("<|im_end|>",),
+        stop_tokens=("<|im_end|>", "<|endoftext|>"),
+        tie_embeddings=False,
+        chat_template=QWEN3_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95},
+    ),
+    "llama": ArchInfo(
+        model_type="llama",
+        architecture="LlamaForCausalLM",
+        special=(
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|finetune_right_pad_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+            "<|eot_id|>",
+            "<|python_tag|>",
+        ),
+        added=(),
+        reserved_fmt="<|reserved_special_token_{}|>",
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad="<|finetune_right_pad_id|>",
+        unk=None,
+        prepend_bos=True,
+        config_bos="<|begin_of_text|>",
+        config_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        stop_tokens=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        tie_embeddings=False,
+        chat_template=LLAMA31_TEMPLATE,
+        generation_defaults={"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+    ),
+    "gemma3": ArchInfo(
+        model_type="gemma3_text",
+        architecture="Gemma3ForCausalLM",
+        # Same order as the real vocab for the first four (pad=0, eos=1, bos=2, unk=3).
+        special=("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+        added=(),
+        reserved_fmt="<unused{}>",
+        bos="<bos>",
+        eos="<end_of_turn>",
+        pad="<pad>",
+        unk="<unk>",
+        prepend_bos=True,
+        config_bos="<bos>",
+        config_eos=("<eos>", "<end_of_turn>"),
+        stop_tokens=("<eos>", "<end_of_turn>"),
+        # mlx-lm's gemma3_text ties the head whenever lm_head.weight is absent.
+        tie_embeddings=True,
+        chat_template=GEMMA3_TEMPLATE,
+        generation_defaults={"do_sample": True, "top_k": 64, "top_p": 0.95},
+    ),
+}
+
+
+# Every text architecture of TinySpec.arch (the vision ones are runtime.tiny.vlm's, the encoders' and audio models'
+# are written without one).
+ARCHS: dict[str, ArchInfo] = {**_FIRST_ARCHS, **FAMILY_ARCHS}
+# Qwen/Qwen3-Next: Qwen3's vocabulary and template (the Instruct model's is Qwen3's, thinking parts aside) on
+# the hybrid architecture.
+ARCHS["qwen3_next"] = replace(ARCHS["qwen3"], model_type="qwen3_next", architecture="Qwen3NextForCausalLM",
+                              module="qwen3_next", fields=_qwen3_next_fields)
+# Qwen/Qwen2.5: Qwen3's vocabulary and ChatML template (its tools branch is Qwen2.5's) on the Qwen2 layers
+# (biased q/k/v projections, no q/k norms).
+ARCHS["qwen2"] = replace(ARCHS["qwen3"], model_type="qwen2", architecture="Qwen2ForCausalLM", module="qwen2",
+                         fields=lambda layers: {"hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                                                "rope_scaling": None, "sliding_window": None,
+                                                "use_sliding_window": False, "max_window_layers": layers})

@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
+from mlx.nn.layers.convolution_transpose import ConvTranspose1d
 from mlx.utils import tree_flatten
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-if TYPE_CHECKING:
-    from runtime.tiny import TinySpec
+from runtime.tiny.spec import SMOKE_TEST_LABEL, TinySpec
+from runtime.tiny.tokenizer import CORPUS, pseudo_text
+
+# mlx-audio is imported inside the functions that build its models: it takes seconds to import (it brings
+# transformers), and only an audio model's build needs it.
 
 WHISPER_TEXT_TOKENS = 50257  # ids below <|endoftext|> in OpenAI's multilingual vocabulary
 WHISPER_BPE_TOKENS = 600  # trained byte-level BPE part; the rest of the text ids are filler words
@@ -47,13 +51,11 @@ def whisper_tokenizer() -> Tokenizer:
     """A Whisper-layout vocabulary (see the module docstring). The filler words are plain vocabulary entries
     (``Ġw123``: no merge reaches them, byte-level decoding gives `` w123``), not added tokens, so the tokenizer
     loads as fast as a real one."""
-    from runtime.tiny import _CORPUS, _pseudo_text
-
     trained = Tokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=WHISPER_BPE_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    trained.train_from_iterator(_CORPUS.splitlines() + _pseudo_text(3000), trainer=trainer)
+    trained.train_from_iterator(CORPUS.splitlines() + pseudo_text(3000), trainer=trainer)
     model = json.loads(trained.to_str())["model"]
     vocab: dict[str, int] = dict(model["vocab"])
     vocab.update({f"\u0120w{i}": i for i in range(len(vocab), WHISPER_TEXT_TOKENS)})
@@ -102,8 +104,6 @@ def write_whisper_files(out: Path, spec: TinySpec) -> None:
         "hop_length": 160, "chunk_length": 30, "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000,
         "padding_side": "right", "padding_value": 0.0, "return_attention_mask": False,
         "processor_class": "WhisperProcessor"})
-    from runtime.tiny import SMOKE_TEST_LABEL
-
     (out / "README.md").write_text(f"# {SMOKE_TEST_LABEL}\n\nA `whisper` speech-to-text model with random weights "
                                    f"(cache key `{spec.cache_key()}`): its transcripts mean nothing.\n",
                                    encoding="utf-8")
@@ -116,14 +116,12 @@ def write_soprano_files(out: Path, spec: TinySpec) -> None:
     """A Soprano checkpoint in mlx-audio's layout (config.json, model.safetensors, tokenizer), random weights."""
     from mlx_audio.tts.models.soprano.soprano import Model, ModelConfig
 
-    from runtime.tiny import _CORPUS, SMOKE_TEST_LABEL, _pseudo_text
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=list(SOPRANO_SPECIALS), show_progress=False)
-    tok.train_from_iterator(_CORPUS.splitlines() + _pseudo_text(3000), trainer=trainer)
+    tok.train_from_iterator(CORPUS.splitlines() + pseudo_text(3000), trainer=trainer)
     config: dict[str, Any] = {
         "model_type": "soprano", "architectures": ["Qwen3ForCausalLM"], "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers, "intermediate_size": spec.intermediate_size,
@@ -167,14 +165,12 @@ def write_qwen3_tts_files(out: Path, spec: TinySpec) -> None:
     from mlx_audio.tts.models.qwen3_tts.qwen3_tts import Model
     from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
 
-    from runtime.tiny import _CORPUS, SMOKE_TEST_LABEL, _pseudo_text
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=list(QWEN3_TTS_SPECIALS), show_progress=False)
-    tok.train_from_iterator(_CORPUS.splitlines() + _pseudo_text(3000), trainer=trainer)
+    tok.train_from_iterator(CORPUS.splitlines() + pseudo_text(3000), trainer=trainer)
     tok.add_tokens(["assistant", "user"])  # one token each, as in Qwen's vocabulary: the prompt is sliced by count
     ids = tok.get_vocab()
     head_dim = spec.hidden_size // spec.num_heads
@@ -261,8 +257,6 @@ def _random_like(module: Any, seed: int, std: float = 0.02) -> dict[str, mx.arra
 def _as_pytorch_codec(codec: Any, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The codec's weights as the real checkpoints store them: convolutions in PyTorch's layout (``out, in,
     kernel``; transposed ones ``in, out, kernel``), each codebook as ``embedding_sum`` and ``cluster_usage``."""
-    from mlx.nn.layers.convolution_transpose import ConvTranspose1d
-
     transposed = {f"{name}.weight" for name, module in codec.named_modules() if isinstance(module, ConvTranspose1d)}
     stored: dict[str, mx.array] = {}
     for name, value in weights.items():

@@ -16,6 +16,7 @@ and the chat template as both ``chat_template.json`` and ``chat_template.jinja``
   is resized to ``image_size`` square, so it always costs ``tokens_per_image`` ``<image_soft_token>``s between
   ``<start_of_image>`` and ``<end_of_image>``.
 
+The vision side's sizes are a :class:`~runtime.tiny.spec.VisionSpec` (beside TinySpec, which holds one).
 Weights are drawn from the parameters of mlx-vlm's own model class for the config (named as its ``sanitize``
 leaves them, which is a no-op on them), with the same deterministic N(0, 0.02) recipe as the text models.
 """
@@ -24,71 +25,32 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-if TYPE_CHECKING:
-    from runtime.tiny import TinySpec
-    from runtime.tiny.archs import ArchInfo
+from runtime.tiny.archs import ArchInfo
+from runtime.tiny.spec import (
+    BUILDER_VERSION,
+    INIT_STD,
+    ROWS_COLS,
+    SMOKE_TEST_LABEL,
+    TinySpec,
+    VisionSpec,
+    arch_info,
+    size_fields,
+)
+from runtime.tiny.tokenizer import special_tokens_map, tokenizer_config, train_tokenizer
 
-_INIT_STD = 0.02
-_ROWS_COLS = 6  # SmolVLM's vocabulary holds <row_1_col_1> … <row_6_col_6>
 _IMAGE_MEAN_STD = [0.5, 0.5, 0.5]  # both SmolVLM and Gemma 3 normalise pixels to [-1, 1]
 _RESCALE = 1 / 255
 
 
-@dataclass(frozen=True)
-class VisionSpec:
-    """The vision side of a tiny vision-language model (the text side is the rest of its TinySpec)."""
-
-    hidden_size: int = 32
-    num_layers: int = 2
-    num_heads: int = 2
-    intermediate_size: int = 64
-    image_size: int = 64  # the tower's input, square (idefics3: one tile)
-    patch_size: int = 8
-    tokens_per_image: int = 16  # image tokens per tile (idefics3) or per image (gemma3)
-    max_tiles_per_side: int = 2  # idefics3: an image is split into at most this many tiles per side
-
-    def __post_init__(self) -> None:
-        if min(self.hidden_size, self.num_layers, self.num_heads, self.intermediate_size, self.image_size,
-               self.patch_size, self.tokens_per_image, self.max_tiles_per_side) < 1:
-            raise ValueError("vision sizes must be positive")
-        if self.hidden_size % self.num_heads:
-            raise ValueError("vision hidden_size must be a multiple of num_heads")
-        if self.image_size % self.patch_size:
-            raise ValueError("image_size must be a multiple of patch_size")
-        if self.max_tiles_per_side > _ROWS_COLS:
-            raise ValueError(f"at most {_ROWS_COLS} tiles per side (the vocabulary's <row_R_col_C> tokens)")
-        # mlx-vlm's patch-embedding sanitize keeps a conv weight as MLX layout only when out >= kernel size.
-        if self.hidden_size < self.patch_size:
-            raise ValueError("vision hidden_size must be at least patch_size")
-        side = self.image_size // self.patch_size
-        per_side = math.isqrt(self.tokens_per_image)
-        if per_side * per_side != self.tokens_per_image or side % per_side:
-            raise ValueError("tokens_per_image must be a square whose side divides image_size // patch_size")
-
-    @property
-    def patches_per_side(self) -> int:
-        return self.image_size // self.patch_size
-
-    @property
-    def pool(self) -> int:
-        """Patches per image token along a side: idefics3's pixel-shuffle scale, gemma3's pooling kernel."""
-        return self.patches_per_side // math.isqrt(self.tokens_per_image)
-
-
-VLM_ARCHS = ("idefics3", "gemma3_vision")
-
-
 def _idefics3_info() -> ArchInfo:
-    from runtime.tiny.archs import ArchInfo
-
-    rows_cols = tuple(f"<row_{r}_col_{c}>" for r in range(1, _ROWS_COLS + 1) for c in range(1, _ROWS_COLS + 1))
+    rows_cols = tuple(f"<row_{r}_col_{c}>" for r in range(1, ROWS_COLS + 1) for c in range(1, ROWS_COLS + 1))
     return ArchInfo(
         model_type="idefics3",
         architecture="Idefics3ForConditionalGeneration",
@@ -110,8 +72,6 @@ def _idefics3_info() -> ArchInfo:
 
 
 def _gemma3_info() -> ArchInfo:
-    from runtime.tiny import arch_info
-
     text = arch_info("gemma3")
     return replace(text, model_type="gemma3", architecture="Gemma3ForConditionalGeneration",
                    special=(*text.special, "<start_of_image>", "<end_of_image>", "<image_soft_token>"))
@@ -156,8 +116,6 @@ def _vision_config(arch: str, vision: VisionSpec) -> dict[str, Any]:
 
 def _text_config(arch: str, spec: TinySpec, vision: VisionSpec, token_id: dict[str, int],
                  info: ArchInfo) -> dict[str, Any]:
-    from runtime.tiny import size_fields
-
     common: dict[str, Any] = {
         **size_fields(spec),
         "rms_norm_eps": 1e-5 if arch == "idefics3" else 1e-6,
@@ -188,8 +146,6 @@ def _text_config(arch: str, spec: TinySpec, vision: VisionSpec, token_id: dict[s
 
 def _model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: ArchInfo,
                   token_id: dict[str, int]) -> dict[str, Any]:
-    from runtime.tiny import BUILDER_VERSION, SMOKE_TEST_LABEL
-
     eos = [token_id[t] for t in info.config_eos]
     config: dict[str, Any] = {
         "architectures": [info.architecture],
@@ -200,7 +156,7 @@ def _model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: ArchInfo,
         "bos_token_id": token_id[info.config_bos],
         "eos_token_id": eos,
         "pad_token_id": token_id[info.pad],
-        "initializer_range": _INIT_STD,
+        "initializer_range": INIT_STD,
         "tie_word_embeddings": info.tie_embeddings,
         "torch_dtype": spec.dtype,
         "use_cache": True,
@@ -223,6 +179,7 @@ def _model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: ArchInfo,
 
 def _mlx_vlm_model(arch: str, config: dict[str, Any]) -> Any:
     """mlx-vlm's model for ``config``, built as ``mlx_vlm.utils.load_model`` builds it."""
+    # mlx-vlm takes seconds to import (it brings transformers): only a vision model's build pays for it.
     from mlx_vlm.models import gemma3, idefics3
 
     module: Any = idefics3 if arch == "idefics3" else gemma3
@@ -245,7 +202,7 @@ def _random_weights(arch: str, spec: TinySpec, config: dict[str, Any]) -> dict[s
     for i, name in enumerate(names):
         value = params[name]
         if value.ndim >= 2:  # embeddings, projections, conv patches: HF-style N(0, 0.02)
-            value = mx.random.normal(value.shape, key=keys[i]) * _INIT_STD
+            value = mx.random.normal(value.shape, key=keys[i]) * INIT_STD
         elif name.endswith("bias"):
             value = mx.zeros_like(value)
         elif arch == "gemma3_vision" and not name.startswith("vision_tower."):
@@ -308,13 +265,11 @@ def image_tokens(arch: str, vision: VisionSpec, width: int, height: int) -> int:
 
 def write_vlm_files(out: Path, spec: TinySpec) -> None:
     """A vision-language checkpoint of ``spec.arch`` (``idefics3`` or ``gemma3_vision``) in ``out``."""
-    from runtime.tiny import SMOKE_TEST_LABEL, _special_tokens_map, _tokenizer_config, _train_tokenizer
-
     if spec.vision is None:
         raise ValueError(f"{spec.arch} needs a vision spec")
     arch, vision = spec.arch, spec.vision
     info = vlm_arch_info(arch)
-    tok = _train_tokenizer(info, spec.vocab_size)
+    tok = train_tokenizer(info, spec.vocab_size)
     token_id = tok.get_vocab()
     config = _model_config(arch, spec, vision, info, token_id)
     weights = _random_weights(arch, spec, config)
@@ -328,18 +283,17 @@ def write_vlm_files(out: Path, spec: TinySpec) -> None:
                                     "eos_token_id": [token_id[t] for t in info.stop_tokens],
                                     "pad_token_id": token_id[info.pad], **info.generation_defaults})
     tok.save(str(out / "tokenizer.json"))
-    tokenizer_config = _tokenizer_config(info, tok, spec)
+    tok_config = tokenizer_config(info, tok, spec)
     if arch == "idefics3":
-        tokenizer_config["additional_special_tokens"] = ["<fake_token_around_image>", "<image>",
-                                                         "<end_of_utterance>"]
-        tokenizer_config["processor_class"] = "Idefics3Processor"
+        tok_config["additional_special_tokens"] = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+        tok_config["processor_class"] = "Idefics3Processor"
     else:
         # What Gemma3Processor reads as tokenizer.boi_token / image_token / eoi_token (and their ids).
-        tokenizer_config["extra_special_tokens"] = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                                                    "image_token": "<image_soft_token>"}
-        tokenizer_config["processor_class"] = "Gemma3Processor"
-    dump("tokenizer_config.json", tokenizer_config)
-    dump("special_tokens_map.json", _special_tokens_map(info))
+        tok_config["extra_special_tokens"] = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                              "image_token": "<image_soft_token>"}
+        tok_config["processor_class"] = "Gemma3Processor"
+    dump("tokenizer_config.json", tok_config)
+    dump("special_tokens_map.json", special_tokens_map(info))
     dump("preprocessor_config.json", _preprocessor_config(arch, vision))
     dump("processor_config.json", _processor_config(arch, vision))
     # The real repositories ship the template both ways (older transformers read the .json, newer the .jinja).

@@ -1,5 +1,5 @@
 """``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` through the real server, real mlx-audio and
-the official OpenAI SDK, on a tiny random-weight multilingual Whisper built locally (runtime/tiny_audio.py),
+the official OpenAI SDK, on a tiny random-weight multilingual Whisper built locally (runtime/tiny/audio.py),
 with audio made locally (tests/audio_clips.py) in every accepted container."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The 2026 families on tiny random-weight models of their own architectures, with their real chat templates
-(MiniCPM 5's rebuilt from the published renders of its real one, runtime/tiny_templates.py):
+(MiniCPM 5's rebuilt from the published renders of its real one, runtime/tiny/templates.py):
 DeepSeek V3.1 and R1, Gemma 4, Kimi K2, MiniMax M2, Phi-4-mini, Qwen3.5, Qwen3-Next (the qwen3 family),
 Seed-OSS, Granite 3.2 and 4.0-H, Llama 4 (its text decoder), MiniCPM 5 and Hermes 3 (gpt-oss has its own file,
 ``test_gpt_oss.py``).

@@ -1,6 +1,6 @@
 """Concurrent ``POST /v1/audio/speech`` requests sharing passes (mlx-audio's continuous batching) through the real
 server, real mlx-audio and the official OpenAI SDK, on a tiny random-weight Qwen3-TTS built locally
-(runtime/tiny_audio.py). Its sampling is greedy (its generation_config.json), so a request's speech is the same
+(runtime/tiny/audio.py). Its sampling is greedy (its generation_config.json), so a request's speech is the same
 alone, in a batch, and from mlx-audio's own ``generate``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MiniCPM 5 template of the tiny model, rebuilt (runtime/tiny_templates.py), renders as the real one does.
+"""The MiniCPM 5 template of the tiny model, rebuilt (runtime/tiny/templates.py), renders as the real one does.
 
 The expected texts are renders of openbmb/MiniCPM5-2B's own chat_template.jinja (revision cd199ce3, sha256
 cc945752…) by transformers 5.6.2, as published with their token ids in github.com/NeelM0906/Mference

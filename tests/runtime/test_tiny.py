@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from runtime import tiny
+import runtime.tiny.build as tiny_build
 from runtime.tiny import (
     PRESETS,
     SMOKE_TEST_LABEL,
@@ -252,13 +252,13 @@ def test_generate_deterministic(builds: dict[str, tuple[Path, Path]], loaded: di
 
 def _count_builds(monkeypatch: pytest.MonkeyPatch) -> list[TinySpec]:
     calls: list[TinySpec] = []
-    original = tiny._write_model_files
+    original = tiny_build._write_model_files
 
     def counting(out: Path, spec: TinySpec) -> None:
         calls.append(spec)
         original(out, spec)
 
-    monkeypatch.setattr(tiny, "_write_model_files", counting)
+    monkeypatch.setattr(tiny_build, "_write_model_files", counting)
     return calls
 
 
@@ -290,7 +290,7 @@ def test_ensure_unknown_name(tmp_path: Path) -> None:
 
 
 def test_ensure_race_uses_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    original = tiny._stage
+    original = tiny_build._stage
 
     def stage_then_lose(dest: Path, spec: TinySpec) -> Path:
         # Another process finishes and renames its build in while we build ours.
@@ -298,7 +298,7 @@ def test_ensure_race_uses_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         (dest / "winner").touch()
         return original(dest, spec)
 
-    monkeypatch.setattr(tiny, "_stage", stage_then_lose)
+    monkeypatch.setattr(tiny_build, "_stage", stage_then_lose)
     path = ensure_tiny_model("tiny-gemma3", cache_dir=tmp_path)
     assert (path / "winner").exists()
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # loser's copy removed
@@ -308,7 +308,7 @@ def test_crashed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     def boom(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.array]:
         raise RuntimeError("crash mid-build")
 
-    monkeypatch.setattr(tiny, "_random_weights", boom)
+    monkeypatch.setattr(tiny_build, "_random_weights", boom)
     with pytest.raises(RuntimeError):
         build_tiny_model(tmp_path / "m")
     with pytest.raises(RuntimeError):

@@ -1,4 +1,4 @@
-"""The families' tiny architectures (``runtime/tiny_archs.py``): byte-for-byte deterministic builds (their
+"""The families' tiny architectures (``runtime/tiny/archs.py``): byte-for-byte deterministic builds (their
 mixtures of experts, biases, sinks and gated-delta decay rates included), the real architecture's
 config and the vocabulary's own special tokens."""
 

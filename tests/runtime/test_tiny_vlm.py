@@ -1,4 +1,4 @@
-"""Tiny vision-language models (runtime/tiny_vlm.py): mlx-vlm loads them offline, its processor expands the
+"""Tiny vision-language models (runtime/tiny/vlm.py): mlx-vlm loads them offline, its processor expands the
 image placeholder into the image tokens, generation runs and is deterministic, the chat template renders
 content lists."""
 
@@ -15,7 +15,8 @@ from PIL import Image
 
 from runtime.model_kinds import detect_kind_of
 from runtime.tiny import PRESETS, TinySpec, ensure_tiny_model, is_smoke_test_model
-from runtime.tiny.vlm import VisionSpec, image_tokens
+from runtime.tiny.spec import VisionSpec
+from runtime.tiny.vlm import image_tokens
 
 VLM_PRESETS = ("tiny-smolvlm", "tiny-gemma3-vision")
 PLACEHOLDER = {"idefics3": "<image>", "gemma3_vision": "<start_of_image>"}
