@@ -18,8 +18,8 @@ from typing import Any
 
 from protocols.ir import TranscriptSegment, TranscriptWord
 from runtime.device import DeviceThread
+from runtime.errors import ModelNotAvailable
 from runtime.sliced_jobs import SlicedWorker, checkpoint_children, run_reporting, wait_reporting, with_checkpoint
-from runtime.models import ModelNotAvailable
 from runtime.speech_batch import BatchSpeech, SpeechBatcher
 
 log = logging.getLogger("flow.audio")

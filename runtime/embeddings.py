@@ -59,10 +59,10 @@ from typing import Any
 import numpy as np
 
 from runtime.device import DeviceThread, JobQueue
+from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, read_profile
+from runtime.errors import ModelNotAvailable
 from runtime.pass_cost import PassCost, idle_pass_cost
 from runtime.sliced_jobs import checkpoint_children, repeated_blocks, with_checkpoint
-from runtime.embedding_profile import EmbeddingProfile, Pooling, ProfileError, read_profile
-from runtime.models import ModelNotAvailable
 
 log = logging.getLogger("flow.embeddings")
 

@@ -24,7 +24,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from runtime.models import ModelNotAvailable
+from runtime.errors import ModelNotAvailable
 
 GGUF_MAGIC = b"GGUF"
 SPLIT_NAME = re.compile(r"^(?P<base>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)

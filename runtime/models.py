@@ -10,7 +10,7 @@ A model reference is one of:
 * a Hugging Face Hub repository id (``mlx-community/Qwen3-0.6B-4bit``): the
   local hub cache is tried first, then a download with a progress bar.
 
-Anything that cannot be found raises :class:`ModelNotAvailable` with a message
+Anything that cannot be found raises :class:`~runtime.errors.ModelNotAvailable` with a message
 that tells the user what to do instead — never a traceback.
 """
 
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig
+from runtime.errors import ModelNotAvailable
 from runtime.model_memory import context_length
 
 if TYPE_CHECKING:  # MLX is imported when a model loads, not when a graph is compiled or checked
@@ -39,10 +40,6 @@ log = logging.getLogger("flow.models")
 
 # What mlx-lm needs from a repository; skips other formats (gguf, pytorch bins, onnx).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-
-
-class ModelNotAvailable(Exception):
-    """The model cannot be found or fetched; the message says what to do."""
 
 
 def _advice(ref: str) -> str:

@@ -31,6 +31,7 @@ from mlx.nn.layers.base import Module
 
 from protocols.ir import ImageSpan, PromptImages
 from runtime.device import DeviceThread
+from runtime.errors import ModelNotAvailable
 from runtime.image_spans import image_spans
 from runtime.sliced_jobs import SlicedWorker, with_checkpoint
 
@@ -253,8 +254,6 @@ def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, fea
 
     unsupported = unbatchable(json.loads((path / "config.json").read_text()))
     if unsupported:
-        from runtime.models import ModelNotAvailable
-
         raise ModelNotAvailable(f"{path}: {unsupported}. To serve its text side through mlx-lm (where mlx-lm has the "
                                 "architecture), set kind = \"text\" on its [resources.*] table.")
     from runtime.cpu_activations import use_fast_gelu

@@ -59,7 +59,7 @@ def test_greedy_output_is_mlx_lm_quantized_output_and_a_repeat_is_cached(server:
 
 
 def test_a_model_that_cannot_keep_quantized_kv_stops_the_startup() -> None:
-    from runtime.models import ModelNotAvailable
+    from runtime.errors import ModelNotAvailable
 
     tables = tables_with_model(ensure_tiny_model("tiny-gemma3"), kv_bits=8)
     with pytest.raises(BaseException) as raised:

@@ -20,7 +20,8 @@ import trio
 from protocols.ir import SamplingParams
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig, SpeculativeConfig
-from runtime.models import LoadedModel, ModelNotAvailable, load_model
+from runtime.errors import ModelNotAvailable
+from runtime.models import LoadedModel, load_model
 from runtime.mtp import MTPDrafter, MTPDraftState
 from runtime.tiny import ensure_tiny_model
 from tests.runtime.test_speculative import PLAIN, REPEATING, always_verify, together, tokens  # noqa: F401
