@@ -54,6 +54,7 @@ def _advice(ref: str) -> str:
 def resolve_model_path(ref: str, *, offline: bool | None = None) -> Path:
     """Turn a model reference into a local directory, downloading if needed and allowed."""
     if ref.startswith("tiny:"):
+        # The smoke-test builders (and the MLX they import) load only for a tiny: reference.
         from runtime.tiny import PRESETS, ensure_tiny_model
 
         preset = ref.removeprefix("tiny:")
@@ -288,7 +289,7 @@ def local_model_dir(ref: str) -> Path | None:
     built before — without downloading, importing or building anything (None otherwise)."""
     expanded = os.path.expanduser(os.path.expandvars(ref))
     if expanded.startswith("tiny:"):
-        from runtime.tiny import PRESETS, tiny_models_dir
+        from runtime.tiny import PRESETS, tiny_models_dir  # only for a tiny: reference, as above
 
         spec = PRESETS.get(expanded.removeprefix("tiny:"))
         if spec is None:
