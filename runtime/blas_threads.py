@@ -11,7 +11,7 @@ Alone, two threads make the same pass 1.2× faster, so the count follows the loa
 :class:`CoreSharing` reads the CPU clock of the event loop's thread on the device thread, at most every
 ``WINDOW_SECONDS``. While the loop used more than ``BUSY_SHARE`` of a core it gives BLAS one thread fewer than
 its default; once the loop is back under ``QUIET_SHARE``, the default again. Only OpenBLAS built with pthreads
-(flow's fast path on Linux, :mod:`flow.blas`) takes the setting from another thread; elsewhere (Apple's
+(flow's fast path on Linux, :mod:`flow.cli.blas`) takes the setting from another thread; elsewhere (Apple's
 Accelerate, MLX's reference BLAS, OpenBLAS built with OpenMP) there is nothing to set and nothing changes.
 """
 

@@ -33,7 +33,7 @@ and ends that socket's thread, so a collective issued on it afterwards — often
 the next all-sum of the same forward pass — waits for good, and rank 0's device
 thread with it (two ranks on loopback, a peer killed by SIGKILL: the third
 single all-sum after the kill never returns; with 8 in one evaluation, the first
-evaluation never does). So the supervisor (``flow.cluster``) never
+evaluation never does). So the supervisor (``flow.resources.cluster``) never
 relies on the device thread once a rank is gone: it ends the streams from trio
 (:meth:`runtime.engine.Engine.end_streams`) and gives the device thread a
 bounded time to come back (:func:`settle`). A collective that hangs (a peer
@@ -52,9 +52,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np

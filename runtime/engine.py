@@ -113,20 +113,20 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.ir import CachePolicy, FinishReason, PromptImages, SamplingParams, TokenChunk, TokenLogprob
-from runtime.adapters import Adapter, AdapterSet
-from runtime.device import DeviceThread
-from runtime.constrained import Constraint
-from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
 from runtime import quantized_kv
-from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
-from runtime.pass_cost import PassCost
-from runtime.mtp import MTPDrafter, MTPDraftState
-from runtime.recurrent_rollback import RecurrentRollback
-from runtime.speculative import DraftState, ModelDraftState, greedy_accepts, sampled_verify, worth_verifying
+from runtime.adapters import Adapter, AdapterSet
+from runtime.constrained import Constraint
+from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig, EngineOverloaded, SpeculativeConfig
-from runtime.replication import GroupLost, NewSequence, ReplicaDiverged, Replicator, StepMessage
-from runtime.model_memory import kv_bytes_per_token
 from runtime.image_spans import key_tokens
+from runtime.model_memory import kv_bytes_per_token
+from runtime.mtp import MTPDrafter, MTPDraftState
+from runtime.pass_cost import PassCost
+from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
+from runtime.recurrent_rollback import RecurrentRollback
+from runtime.replication import GroupLost, NewSequence, ReplicaDiverged, Replicator, StepMessage
+from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
+from runtime.speculative import DraftState, ModelDraftState, greedy_accepts, sampled_verify, worth_verifying
 
 log = logging.getLogger("flow.engine")
 
@@ -793,7 +793,7 @@ class Engine:
     def group_lost(self, exc: BaseException, taken: list[_Sequence] | None = None) -> None:
         """Rank 0 lost its group: fail every sequence, run nothing more (the server reports the model down)."""
         lost = exc if isinstance(exc, GroupLost) else GroupLost(f"the model's group of ranks is gone: {exc}")
-        said = self.lost is not None  # by the supervisor (flow.cluster), or an earlier call
+        said = self.lost is not None  # by the supervisor (flow.resources.cluster), or an earlier call
         self.lost = lost = self.lost or lost  # the first reason
         taken = list(taken or ())
         with self._lock:

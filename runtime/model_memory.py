@@ -1,7 +1,7 @@
 """A model's memory arithmetic from its config: one code path for serving and for ``flow fit``.
 
 The engine reads the numbers from the loaded model's ``args`` (``runtime.engine``); ``flow fit`` and
-``/library`` from ``config.json`` (``flow.fit``). Both call :func:`kv_bytes_per_token` and
+``/library`` from ``config.json`` (``flow.catalog.fit``). Both call :func:`kv_bytes_per_token` and
 :func:`context_length`, and the admission ceiling a model resource applies (``kv_budget_bytes``,
 shown by ``/stats``) is :func:`default_kv_budget_bytes` unless the graph sets one.
 """

@@ -1,6 +1,6 @@
 """A follower rank of a distributed model: ``python -m runtime.rank SPEC_JSON``.
 
-``flow serve`` starts one per rank above 0 (``flow.cluster``) with ``MLX_RANK`` and ``MLX_HOSTFILE`` in its
+``flow serve`` starts one per rank above 0 (``flow.resources.cluster``) with ``MLX_RANK`` and ``MLX_HOSTFILE`` in its
 environment (``mlx.launch``'s conventions). It joins the group, checks it, loads its shard and replays rank 0's
 engine steps (:func:`runtime.distributed.follow`). Exit status: 0 when rank 0 stopped the group, 2 when the
 group was refused (versions or model differ), 1 when it was lost.

@@ -1,7 +1,7 @@
 """LoRA adapters' cost in the batch: decode throughput of the base model, of a batch on one adapter, and of a batch
 whose rows each use another adapter (or none).
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_adapters.py --model tiny:bench-80m [--streams 1,8] [--rank 8] [--max-tokens 64]
 
 One ``flow serve`` (the default graph on the model) with ``--adapters`` random LoRA adapters mounted through

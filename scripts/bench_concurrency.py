@@ -2,7 +2,7 @@
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_concurrency.py --model tiny:bench-80m --json bench-80m.json
 
 One run, one model, one load generator, three systems one after the other:
@@ -49,7 +49,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flow.bench import report  # noqa: E402
+from flow.cli.bench import report  # noqa: E402
 
 SYSTEMS = ("flow", "mlx_lm.server", "raw")
 
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(raw_worker(args.raw_worker, args.levels, args.max_tokens)))
         return 0
 
-    from flow import blas
+    from flow.cli import blas
     from runtime.models import resolve_model_path
 
     blas.advise()

@@ -2,7 +2,7 @@
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_console.py --model tiny:bench-80m --rounds 5 --json console.json
 
 One ``flow serve`` subprocess (the default graph on ``--model``), one load generator: each round starts
@@ -45,7 +45,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flow.bench import report  # noqa: E402
+from flow.cli.bench import report  # noqa: E402
 from tests.browser import chromium_path, headless_chromium  # noqa: E402
 from tests.harness import serve_process  # noqa: E402
 from viz.console import PAGE_HEADERS  # noqa: E402

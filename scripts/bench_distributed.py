@@ -1,6 +1,6 @@
 """One model on two ranks (mlx.distributed, ring over loopback) against the same model in one process.
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_distributed.py --model tiny:bench-80m [--streams 1,8] [--parallel tensor]
         [--max-tokens 128] [--rounds 2]
 

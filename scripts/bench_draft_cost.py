@@ -1,6 +1,6 @@
 """What counting the drafter's own cost in the verify decision does, side by side in one run (engine level, CPU).
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_draft_cost.py
 
 For each drafter, the same greedy request (a repeating prompt, 1 stream) decodes with speculation off, with the

@@ -1,7 +1,7 @@
 """What quantized KV does to a real model: the prefix cache's cold and disk tiers (``disk_kv_bits``), and the
 live batch's quantized KV cache (the model resource's ``kv_bits``, runtime.quantized_kv).
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_kv_quant.py --model ~/.cache/flow/real-models/smollm2-135m-instruct
 
 A fixed text (the start of this repository's README: the same bytes on every machine) is split into a prefix

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flow.families import builtin_families
+from flow.catalog.families import builtin_families
 from protocols.ir import ToolCallDelta
 from protocols.parsers import StreamParser, make_response_parser
 

@@ -2,7 +2,7 @@
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_prefix.py --model tiny:bench-80m --json bench-prefix.json
 
 A conversation of ``--turns`` turns under a system prompt of about
@@ -43,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flow.bench import report  # noqa: E402
+from flow.cli.bench import report  # noqa: E402
 from scripts.bench_concurrency import free_port, peak_rss_mb, wait_ready  # noqa: E402
 
 TOPICS = ["the lamp", "the fog", "the supply boat", "the logbook", "the storm", "the gulls", "the keeper's cat",
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the full result here")
     args = parser.parse_args(argv)
 
-    from flow import blas
+    from flow.cli import blas
     from runtime.models import resolve_model_path
 
     blas.advise()

@@ -2,7 +2,7 @@
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_prefix_build.py --layers 30 --kv-heads 3 --head-dim 64
 
 For each length: one sequence's keys and values (random, float32, the given geometry; SmolLM2-135M's by

@@ -126,8 +126,8 @@ def main() -> None:
     parser.add_argument("--reloads", type=int, default=5)
     args = parser.parse_args()
     os.environ["FLOW_DATA_DIR"] = tempfile.mkdtemp(prefix="flow-bench-reload-")
-    from flow.compiler import compile_file
-    from flow.embedded import running_server
+    from flow.builtins import compile_file
+    from flow.serve.embedded import running_server
 
     path = Path(os.environ["FLOW_DATA_DIR"]) / "graph.toml"
     path.write_text(graph_text(args.model, 1))

@@ -1,7 +1,7 @@
 """Prompt-lookup speculation against none, side by side in one run: a file rewrite (1 stream, greedy), a chat
 answer with nothing to look up (1 stream), and 8 mixed streams.
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_speculative.py --model ~/.cache/flow/real-models/qwen2.5-coder-0.5b-instruct
 
 Two ``flow serve`` processes on the same model (speculation off, and ``kind = "ngram"``), run one after the

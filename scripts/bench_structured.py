@@ -1,6 +1,6 @@
 """Structured output's cost in the batch: decode throughput with every row, half the rows or no row constrained.
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_structured.py --model tiny:bench-80m [--streams 1,8] [--max-tokens 64]
 
 One ``flow serve`` (the default graph on the model); per level, ``--streams`` greedy streams start at once and

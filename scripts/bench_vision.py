@@ -2,7 +2,7 @@
 conversation (the prefix cache), against ``mlx_vlm.generate``; and 8 text streams' throughput while image
 requests arrive.
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_vision.py [--model tiny:bench-vlm] [--rounds 5] [--size 640x480]
 
 One ``flow serve`` (the default graph on the model, its prefix cache in a temporary directory). TTFT is the

@@ -2,7 +2,7 @@
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
-    eval "$(.venv/bin/python -m flow.blas)"
+    eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/soak.py --compare --json soak.json                  # 2 × 20 minutes, tiny:bench-80m
     .venv/bin/python scripts/soak.py --model tiny-qwen3 --minutes 1 --restart-every 25 --compare   # a quick look
 
@@ -75,7 +75,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flow.bench import report  # noqa: E402
+from flow.cli.bench import report  # noqa: E402
 from scripts.bench_concurrency import free_port  # noqa: E402
 
 WORDS = ("lamp fog boat log storm gull cat lens tide radio paint stair winter visitor keeper harbour rope bell "
@@ -236,7 +236,7 @@ class Soak:
     # ----------------------------------------------------------------------- server
 
     def spawn(self) -> Lifetime:
-        from flow import blas
+        from flow.cli import blas
 
         env = blas.preload_env() or dict(os.environ)
         env["FLOW_DATA_DIR"] = str(self.tmp / "data")
@@ -1160,7 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.invalid_share <= 1:
         parser.error("--invalid-share is a fraction from 0 to 1")
 
-    from flow import blas
+    from flow.cli import blas
 
     blas.advise()
     print(f"model {args.model}: building or locating it…", file=sys.stderr)

@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-eval "$(.venv/bin/python -m flow.blas)"
+eval "$(.venv/bin/python -m flow.cli.blas)"
 exec .venv/bin/python -m pytest "$@"

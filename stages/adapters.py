@@ -8,7 +8,7 @@
   the stage serves several text models. The path is a client's: no ``$VARS`` expand (a leading ``~`` does: the
   server's user's home), and it must be an adapter directory under the adapter roots (the hub cache and
   ``<data dir>/adapters``, widened by ``roots``); anything else is one and the same 400, whatever the reason, so
-  the answer does not tell which paths exist (:mod:`flow.adapters`);
+  the answer does not tell which paths exist (:mod:`flow.resources.adapters`);
 * ``DELETE /v1/adapters/{adapter_id}``: 404 if no model has it; requests already using it finish with it.
 
 Requests then name adapters in their ``adapter`` field, or through a model id the graph maps to adapters
@@ -23,8 +23,15 @@ from typing import Any, ClassVar
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from flow.adapters import AdapterMount, default_roots, expand_path, find_request_adapter, not_an_adapter, request_path
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
+from flow.resources.adapters import (
+    AdapterMount,
+    default_roots,
+    expand_path,
+    find_request_adapter,
+    not_an_adapter,
+    request_path,
+)
+from flow.resources.model import MODEL_REFERENCES, ModelResource, ModelSet
 from protocols import openai_chat
 from protocols.adapter_spec import check_adapter_id
 from protocols.errors import ApiError
@@ -60,8 +67,8 @@ class AdaptersManage(EndpointStage):
     codec = openai_chat.ChatCodec
     config: AdaptersConfig
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.models = [m for m in self.links.many("models", ModelResource) if m.kind in ("text", None)]
 
     async def answer(self, http: HttpRequest) -> dict[str, Any]:
@@ -111,7 +118,7 @@ class AdaptersManage(EndpointStage):
         return [*default_roots(), *configured] if self.config.default_roots else configured
 
     async def _allowed(self, text: str) -> Path:
-        """The adapter directory a client's path names, resolved, or the one refusal (see :mod:`flow.adapters`)."""
+        """The adapter directory a client's path names, resolved, or the one refusal (see :mod:`flow.resources.adapters`)."""
         roots = self.roots()
         found = await trio.to_thread.run_sync(find_request_adapter, request_path(text), roots)
         if found is None:

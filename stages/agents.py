@@ -28,15 +28,14 @@ from typing import Any, ClassVar
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from flow.agent_store import AGENT_ID, AGENT_ID_RULE, Agent, AgentStore, session_id
-from flow.resource import Reference
-from flow.stage import Outbox, StageConfig, on_request_end
+from flow.graph.resource import Reference
+from flow.graph.stage import Outbox, StageConfig, on_request_end
+from flow.resources.agent_store import AGENT_ID, AGENT_ID_RULE, Agent, AgentStore, session_id
 from protocols import openai_chat
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, ContextOverflow, FinalResult, HttpRequest, Message, ProtocolContext
 from protocols.validation import parse_json_body
 from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat, decode_on_worker
-
 
 
 @dataclass(frozen=True)
@@ -128,8 +127,8 @@ class AgentsManage(EndpointStage):
     Config = AgentStageConfig
     references = STORE_REFERENCES
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.store = self.links.one("store", AgentStore)
 
     codec = openai_chat.ChatCodec
@@ -191,8 +190,8 @@ class AgentsGenerateDecode(ProtocolDecode):
     Config = AgentStageConfig
     references = STORE_REFERENCES
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.store = self.links.one("store", AgentStore)
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
@@ -234,8 +233,8 @@ class AgentsGenerateFormat(ProtocolFormat):
     Config = AgentFormatConfig
     references = STORE_REFERENCES
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.store = self.links.one("store", AgentStore)
 
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:

@@ -38,7 +38,6 @@ class AnthropicCountTokensDecode(ProtocolDecode):
 
 class AnthropicCountTokensFormat(JsonFormat[PreparedPrompt]):
     type_name: ClassVar[str] = "anthropic.count_tokens.format"
-    input_type: ClassVar[Any] = PreparedPrompt
     description = "answers {input_tokens} for a prepared prompt"
     codec = anthropic_messages.MessagesCodec
 

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import Field
 
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Stage, StageConfig
+from flow.graph.stage import StageConfig
+from flow.resources.model import ModelResource
 from protocols import openai_chat, openai_speech
 from protocols.errors import ApiError
-from protocols.ir import HttpRequest
+from protocols.ir import HttpRequest, WireFrame
+from stages.model_stage import ModelStage
 from stages.protocol import EndpointStage
 
 if TYPE_CHECKING:
@@ -33,16 +34,11 @@ class AudioModelsConfig(StageConfig):
 CAPABILITY_LABELS = {"stt": ("speech-to-text", "transcribe speech"), "tts": ("text-to-speech", "speak")}
 
 
-class AudioModelStage(Stage[In, Out]):
+class AudioModelStage(ModelStage[In, Out]):
     """A stage that works with one of its audio models, which must have its ``capability``."""
 
     Config: ClassVar[type[StageConfig]] = AudioModelsConfig
-    references = MODEL_REFERENCES
     capability: ClassVar[str]  # "stt" or "tts"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def audio_model(self, model_id: str) -> tuple[ModelResource, LoadedAudio]:
         """The audio model a request names, loaded; a 400 naming the models that can serve it if it is of
@@ -62,16 +58,11 @@ class AudioModelStage(Stage[In, Out]):
         return model.audio is None or self.capability in model.audio.capabilities
 
 
-class VoicesList(EndpointStage):
+class VoicesList(ModelStage[HttpRequest, WireFrame], EndpointStage):
     type_name: ClassVar[str] = "audio.voices"
     Config = AudioModelsConfig
-    references = MODEL_REFERENCES
     codec = openai_chat.ChatCodec
     description = "lists the voices of the text-to-speech models (GET /v1/audio/voices, ?model= for one)"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def answer(self, http: HttpRequest) -> Any:
         from urllib.parse import parse_qs

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import trio
 from jinja2 import TemplateError
 from pydantic import Field
 
-from flow.families import Family, template_text
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Outbox, Stage, StageConfig
+from flow.catalog.families import Family, template_text
+from flow.graph.stage import Outbox, StageConfig
+from flow.resources.model import ModelResource
 from protocols.errors import ApiError
+from protocols.images import DecodedImage
 from protocols.ir import (
     ChatRequest,
     ContextOverflow,
@@ -37,8 +38,8 @@ from protocols.ir import (
 from protocols.limits import ModelLimits, validate_request
 from protocols.parsers import REASONING_PARSERS, StreamParser, make_response_parser
 from protocols.stops import StopMatcher
-from protocols.images import DecodedImage
 from stages.images import DecodedImages, ImagePolicy, PixelBudget, load_images
+from stages.model_stage import ModelStage
 from stages.templating import template_inputs
 
 if TYPE_CHECKING:
@@ -108,17 +109,13 @@ class PrepareConfig(ModelStageConfig):
                     "(fetch_urls, off by default; allow_hosts, fetch_timeout_seconds, fetch_max_bytes)")
 
 
-class ChatPrepare(Stage[ChatRequest, PreparedPrompt]):
+class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
     type_name: ClassVar[str] = "chat.prepare"
-    input_type: ClassVar[Any] = ChatRequest
-    output_type: ClassVar[Any] = PreparedPrompt
     Config = PrepareConfig
-    references = MODEL_REFERENCES
     description = "applies the model's chat template, tokenizes, sets stop tokens and the token budget"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
+    def setup(self) -> None:
+        super().setup()
         self._stop_ids: dict[str, frozenset[int]] = {}
         self._decoded = DecodedImages()  # the screenshot a conversation resends each turn is decoded once
         self._pixels = PixelBudget(self.config.images.max_inflight_pixels)  # type: ignore[attr-defined]
@@ -317,17 +314,10 @@ def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:
     )
 
 
-class ChatProcess(Stage[Generation, StreamEvent]):
+class ChatProcess(ModelStage[Generation, StreamEvent]):
     type_name: ClassVar[str] = "chat.process"
-    input_type: ClassVar[Any] = Generation
-    output_type: ClassVar[Any] = StreamEvent
     Config = ModelStageConfig
-    references = MODEL_REFERENCES
     description = "detokenizes (multi-byte safe), matches stop strings with hold-back, reports finish and usage"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[Generation], outbox: Outbox[StreamEvent]) -> None:
         header = await inbox.receive()

@@ -9,32 +9,25 @@ tool-call and reasoning output reproducible on random-weight test models.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import trio
 from pydantic import Field
 
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Outbox, Stage
+from flow.graph.stage import Outbox
 from protocols.ir import FinishReason, Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from stages.chat import ModelStageConfig
+from stages.model_stage import ModelStage
 
 
 class EchoConfig(ModelStageConfig):
     tokens_per_chunk: int = Field(default=3, ge=1, description="tokens per chunk, like one engine step's worth")
 
 
-class EchoGenerate(Stage[PreparedPrompt, Generation]):
+class EchoGenerate(ModelStage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate.echo"
-    input_type: ClassVar[Any] = PreparedPrompt
-    output_type: ClassVar[Any] = Generation
     Config = EchoConfig
-    references = MODEL_REFERENCES
     description = "test stand-in for generate: streams the last user message's tokens as the model's output"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         step: int = self.config.tokens_per_chunk  # type: ignore[attr-defined]

@@ -16,12 +16,13 @@ import numpy as np
 import trio
 from pydantic import Field
 
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Outbox, Stage, StageConfig
+from flow.graph.stage import Outbox, StageConfig
+from flow.resources.model import ModelResource
 from protocols import openai_chat, openai_embeddings
 from protocols.errors import ApiError
 from protocols.ir import EmbeddingRequest, Embeddings, HttpRequest
 from runtime.device import wait_future
+from stages.model_stage import ModelStage
 from stages.protocol import BodyDecode, JsonFormat
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ Out = TypeVar("Out")
 
 class EmbeddingsDecode(BodyDecode[EmbeddingRequest]):
     type_name: ClassVar[str] = "openai.embeddings.decode"
-    output_type: ClassVar[Any] = EmbeddingRequest
     description = "validates an OpenAI embeddings body (text, texts, token ids) into an embeddings request"
 
     def decode(self, http: HttpRequest) -> EmbeddingRequest:
@@ -45,15 +45,13 @@ class EmbedConfig(StageConfig):
     truncate: bool = Field(default=False, description="cut inputs longer than the model reads, instead of a 400")
 
 
-class EmbeddingModelStage(Stage[In, Out]):
+class EmbeddingModelStage(ModelStage[In, Out]):
     """A stage that computes with one of its embedding models (``embed``, ``rerank``)."""
 
     Config = EmbedConfig
-    references = MODEL_REFERENCES
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
+    def setup(self) -> None:
+        super().setup()
         self.truncate = bool(getattr(self.config, "truncate", False))
 
     async def embedder(self, model: str) -> tuple[ModelResource, LoadedEmbedder]:
@@ -64,8 +62,6 @@ class EmbeddingModelStage(Stage[In, Out]):
 
 class Embed(EmbeddingModelStage[EmbeddingRequest, Embeddings]):
     type_name: ClassVar[str] = "embed"
-    input_type: ClassVar[Any] = EmbeddingRequest
-    output_type: ClassVar[Any] = Embeddings
     description = "embeds each input with an embedding model; concurrent requests share forward passes"
 
     async def run(self, inbox: trio.MemoryReceiveChannel[EmbeddingRequest], outbox: Outbox[Embeddings]) -> None:
@@ -174,7 +170,6 @@ async def embed_ids(loaded: LoadedEmbedder, ids: list[list[int]]) -> np.ndarray:
 
 class EmbeddingsFormat(JsonFormat[Embeddings]):
     type_name: ClassVar[str] = "openai.embeddings.format"
-    input_type: ClassVar[Any] = Embeddings
     description = "answers an OpenAI embeddings list (float arrays or base64 float32)"
     codec = openai_chat.ChatCodec  # OpenAI's error shape
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import trio
 from pydantic import Field
 
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import Outbox, Stage, note_request
+from flow.graph.stage import Outbox, note_request
+from flow.resources.model import ModelResource
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from protocols.parsers import TOOL_PARSERS
@@ -18,9 +18,10 @@ from runtime.constrained import ANY_JSON_OBJECT, Grammar, GrammarError, Reasonin
 from runtime.engine_config import EngineOverloaded
 from runtime.image_spans import key_tokens
 from stages.chat import ModelStageConfig
+from stages.model_stage import ModelStage
 
 if TYPE_CHECKING:
-    from flow.families import Family
+    from flow.catalog.families import Family
     from runtime.constrained import Constraint
     from runtime.engine import SequenceHandle
     from runtime.models import LoadedModel
@@ -109,18 +110,11 @@ class GenerateConfig(ModelStageConfig):
                                                           "they decode as rows of the batch")
 
 
-class Generate(Stage[PreparedPrompt, Generation]):
+class Generate(ModelStage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate"
-    input_type: ClassVar[Any] = PreparedPrompt
-    output_type: ClassVar[Any] = Generation
     Config = GenerateConfig
-    references = MODEL_REFERENCES
     description = "runs the prompt on the device thread's engine; one chunk per engine step (per choice)"
     config: GenerateConfig
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.models = ModelSet(self.links.many("models", ModelResource))
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
         async for prompt in inbox:

@@ -34,7 +34,7 @@ import trio
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from protocols.errors import ApiError
-from protocols.images import MiB, DecodedImage, ImageLimits, declared_size, decode_image
+from protocols.images import DecodedImage, ImageLimits, MiB, declared_size, decode_image
 from protocols.ir import ImageSource, Message
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

@@ -3,7 +3,7 @@
 * ``library.list``: every local model (``flow models``' scan: hub cache, model directories, smoke-test
   builds) with its kind, family, size, quantization, whether flow can serve it, whether this server is
   serving it now, and its fit on this machine — from files only, cached for ``cache_seconds``.
-* ``fit.check``: the whole :class:`~flow.fit.Fit` for ``?model=ID`` (a library id or a served model's
+* ``fit.check``: the whole :class:`~flow.catalog.fit.Fit` for ``?model=ID`` (a library id or a served model's
   name), or for every served model.
 * ``downloads.manage``: ``GET`` lists the ``downloads`` resource's recent downloads, ``POST {"repo"}``
   queues one. Offline, a POST is a 503 that says so.
@@ -11,7 +11,7 @@
 Each answer says whether the hub is offline, and carries the reference server's shape beside flow's own list
 (``{object: "list", data: [...]}``, which the console reads): ``GET /library`` → ``models`` (the same entries, with
 the reference's ``model_type``); ``GET /downloads`` → ``downloads`` (the reference's records:
-:meth:`~flow.downloads.Download.reference_json`); ``GET /fit`` → ``machine``, ``context_tokens``,
+:meth:`~flow.resources.downloads.Download.reference_json`); ``GET /fit`` → ``machine``, ``context_tokens``,
 ``typical_context_tokens``, ``typical_decode_tps``, ``measured_decode_tps``, ``measured_at``, ``report``,
 ``sku_matrix_ctx`` and ``sku_matrix`` for the first model assessed (:func:`reference_fit`).
 """
@@ -33,13 +33,13 @@ from urllib.parse import parse_qs
 import trio
 from pydantic import Field
 
-from flow.downloads import DownloadsResource, hub_offline, valid_repo_id
-from flow.capabilities import data_dir
-from flow.fit import BENCH_FILE, Fit, assess
-from flow.local_models import LocalModel, find_local_models
-from flow.resource import Reference
-from flow.resources import MODEL_REFERENCES, ModelResource
-from flow.stage import StageConfig
+from flow.catalog.capabilities import data_dir
+from flow.catalog.fit import BENCH_FILE, Fit, assess
+from flow.catalog.local_models import LocalModel, find_local_models
+from flow.graph.resource import Reference
+from flow.graph.stage import StageConfig
+from flow.resources.downloads import DownloadsResource, hub_offline, valid_repo_id
+from flow.resources.model import MODEL_REFERENCES, ModelResource
 from protocols import openai_chat
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest
@@ -96,8 +96,8 @@ class _ServedModelsEndpoint(EndpointStage):
     references = MODEL_REFERENCES
     codec = openai_chat.ChatCodec
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.models = self.links.many("models", ModelResource)
 
 
@@ -108,8 +108,8 @@ class LibraryList(_ServedModelsEndpoint):
     Config = LibraryConfig
     references = {**MODEL_REFERENCES, "downloads": Reference("downloads", required=False)}
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         config = self.config
         assert isinstance(config, LibraryConfig)
         self.local = _LocalModels(config.cache_seconds)
@@ -220,7 +220,7 @@ def _ram_bytes() -> int:
 
 
 def _measured_at(model_id: str) -> int | None:
-    """When ``flow bench`` recorded the model's decode figure (unix ms), if it did (flow.fit's BENCH_FILE)."""
+    """When ``flow bench`` recorded the model's decode figure (unix ms), if it did (flow.catalog.fit's BENCH_FILE)."""
     try:
         entry = json.loads((data_dir() / BENCH_FILE).read_text()).get(model_id)
         return calendar.timegm(time.strptime(entry["at"], "%Y-%m-%dT%H:%M:%SZ")) * 1000
@@ -236,7 +236,7 @@ def _decode_tps(bandwidth_bytes: float, fit: Fit, context: int) -> float:
 
 
 def _safe_context(fit: Fit, usable: int, budget: int) -> int:
-    """flow.fit's maximum safe context on a machine with ``usable`` memory and a KV ``budget``."""
+    """flow.catalog.fit's maximum safe context on a machine with ``usable`` memory and a KV ``budget``."""
     room = usable - fit.weight_bytes - fit.transient_bytes
     if fit.kv_bytes_per_token <= 0:
         return fit.context_length if room > 0 else 0
@@ -244,7 +244,7 @@ def _safe_context(fit: Fit, usable: int, budget: int) -> int:
 
 
 def _sku_row(fit: Fit, chip: str, ram_gb: int, bandwidth_gbs: float, context: int) -> dict[str, Any]:
-    """One SKU, judged as flow.fit judges this machine: Metal's recommended working set as usable memory
+    """One SKU, judged as flow.catalog.fit judges this machine: Metal's recommended working set as usable memory
     (about two thirds of the memory up to 36 GB, three quarters above: macOS's own split, approximated), a KV
     budget of half the memory (flow's default admission ceiling), at most ``context`` tokens."""
     ram = ram_gb * GB
@@ -258,7 +258,7 @@ def _sku_row(fit: Fit, chip: str, ram_gb: int, bandwidth_gbs: float, context: in
 
 def reference_fit(fit: Fit | None) -> dict[str, Any]:
     """``GET /fit`` in the reference's shape, for ``fit`` (None: nothing to assess, only the machine), every field
-    from flow.fit's figures: ``context_tokens`` is the admission ceiling (the maximum safe context),
+    from flow.catalog.fit's figures: ``context_tokens`` is the admission ceiling (the maximum safe context),
     ``report.kv_bytes`` the KV at that context, ``total_bytes`` weights + KV + transients. Blocking (a worker
     thread): it may read the system's chip name once."""
     machine = {"chip": _chip(), "ram_bytes": _ram_bytes(),
@@ -303,8 +303,8 @@ class DownloadsManage(EndpointStage):
     references = {"downloads": Reference("downloads")}
     codec = openai_chat.ChatCodec
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.resource = self.links.one("downloads", DownloadsResource)
 
     async def answer(self, http: HttpRequest) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
-from flow.stage import StageConfig
+from flow.graph.stage import StageConfig
+from flow.resources.model import MODEL_REFERENCES, ModelResource, ModelSet
 from protocols import openai_chat
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest
@@ -70,8 +70,8 @@ class ModelsList(EndpointStage):
     references = MODEL_REFERENCES
     codec = openai_chat.ChatCodec
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.models = self.links.many("models", ModelResource)
 
     def listing(self) -> list[dict[str, Any]]:

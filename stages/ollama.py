@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flow.families import template_text
-from flow.resources import MODEL_REFERENCES, ModelResource, ModelSet
+from flow.catalog.families import template_text
+from flow.resources.model import MODEL_REFERENCES, ModelResource, ModelSet
 from protocols import ollama
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, EmbeddingRequest, Embeddings, HttpRequest
@@ -50,7 +50,6 @@ class OllamaFormat(ProtocolFormat):
 
 class OllamaEmbedDecode(BodyDecode[EmbeddingRequest]):
     type_name: ClassVar[str] = "ollama.embed.decode"
-    output_type: ClassVar[Any] = EmbeddingRequest
     description = "validates an Ollama /api/embed body (input, dimensions) into an embeddings request"
 
     def decode(self, http: HttpRequest) -> EmbeddingRequest:
@@ -59,7 +58,6 @@ class OllamaEmbedDecode(BodyDecode[EmbeddingRequest]):
 
 class OllamaEmbedFormat(JsonFormat[Embeddings]):
     type_name: ClassVar[str] = "ollama.embed.format"
-    input_type: ClassVar[Any] = Embeddings
     description = "answers Ollama's {model, embeddings} body"
     codec = ollama.OllamaCodec
 
@@ -87,8 +85,8 @@ class OllamaModels(EndpointStage):
     codec = ollama.OllamaCodec
     config: OllamaModelsConfig
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.models = self.links.many("models", ModelResource)
 
     async def answer(self, http: HttpRequest) -> dict[str, Any]:

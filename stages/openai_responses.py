@@ -19,13 +19,13 @@ from typing import Any, ClassVar
 
 import trio
 
-from flow.response_store import ResponseStore
-from flow.resource import Reference
-from flow.stage import Outbox, StageConfig
+from flow.graph.resource import Reference
+from flow.graph.stage import Outbox, StageConfig
+from flow.resources.response_store import ResponseStore
 from protocols import openai_responses
 from protocols.errors import ApiError
-from protocols.openai_responses import ResponsesContext
 from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message
+from protocols.openai_responses import ResponsesContext
 from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat, decode_on_worker
 
 
@@ -47,8 +47,8 @@ class OpenAIResponsesDecode(ProtocolDecode):
     Config = StoreConfig
     references = STORE_REFERENCES
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.store = self.links.one("store", ResponseStore)
 
     async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
@@ -78,8 +78,8 @@ class OpenAIResponsesFormat(ProtocolFormat):
     Config = StoreFormatConfig
     references = STORE_REFERENCES
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.store = self.links.one("store", ResponseStore)
 
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
@@ -95,8 +95,8 @@ class OpenAIResponsesRetrieve(EndpointStage):
     references = STORE_REFERENCES
     codec = openai_responses.ResponsesCodec
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.store = self.links.one("store", ResponseStore)
 
     async def answer(self, http: HttpRequest) -> dict[str, Any]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import trio
 from pydantic import Field
 
-from flow.isolation import Budget, BudgetExceeded, ChildFailed, run_bounded
-from flow.stage import EntryStage, ExitStage, Outbox, StageConfig, note_request
+from flow.graph.isolation import Budget, BudgetExceeded, ChildFailed, run_bounded
+from flow.graph.stage import EntryStage, ExitStage, Outbox, StageConfig, note_request
 from protocols import documents
 from protocols.codec import JSON_HEADERS
 from protocols.errors import ApiError
@@ -78,7 +78,7 @@ DECODE_THREADS = trio.CapacityLimiter(2)
 
 
 class BoundedDocuments:
-    """How one request's decode reads PDFs: each in a child process (flow.isolation), all of them within
+    """How one request's decode reads PDFs: each in a child process (flow.graph.isolation), all of them within
     ``documents.PDF_CPU_SECONDS``; over it, a 413 that names the limit."""
 
     def __init__(self) -> None:
@@ -138,8 +138,6 @@ async def decode_on_worker(decode: Callable[..., T], http: HttpRequest, *args: A
 class BodyDecode(EntryStage[HttpRequest, Out]):
     """Entry stage: the HTTP request as the item its path works on, by one :meth:`decode`."""
 
-    input_type: ClassVar[Any] = HttpRequest
-
     def decode(self, http: HttpRequest) -> Out:
         raise NotImplementedError
 
@@ -150,8 +148,6 @@ class BodyDecode(EntryStage[HttpRequest, Out]):
 
 class JsonFormat(ExitStage[In, WireFrame]):
     """Exit stage: each item answered as one JSON body, by one :meth:`encode`."""
-
-    output_type: ClassVar[Any] = WireFrame
 
     def encode(self, item: In) -> Any:
         raise NotImplementedError
@@ -164,9 +160,6 @@ class JsonFormat(ExitStage[In, WireFrame]):
 class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
     """Entry stage: validates a protocol's body into a :class:`ChatRequest`."""
 
-    input_type: ClassVar[Any] = HttpRequest
-    output_type: ClassVar[Any] = ChatRequest
-
     def decode(self, http: HttpRequest, created: int) -> ChatRequest:
         raise NotImplementedError
 
@@ -178,9 +171,6 @@ class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
 class EndpointStage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
     """A route's entry and exit in one: it answers each request by itself (a listing, a stored object)
     with the JSON body :meth:`answer` returns; its errors take its ``codec``'s shape."""
-
-    input_type: ClassVar[Any] = HttpRequest
-    output_type: ClassVar[Any] = WireFrame
 
     async def answer(self, http: HttpRequest) -> Any:
         raise NotImplementedError
@@ -198,8 +188,6 @@ class FormatConfig(StageConfig):
 class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
     """Exit stage: SSE frames as events arrive, or one JSON body at the end."""
 
-    input_type: ClassVar[Any] = StreamEvent
-    output_type: ClassVar[Any] = WireFrame
     Config = FormatConfig
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         """Called once the whole response is known (the Responses store keeps it, the agents API

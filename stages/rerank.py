@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 import trio
 
-from flow.stage import Outbox
+from flow.graph.stage import Outbox
 from protocols import openai_chat, rerank
 from protocols.ir import HttpRequest, Ranking, RerankRequest
 from stages.embeddings import EmbeddingModelStage, embed_ids, tokenize, tokenize_pairs, tokenizing
@@ -27,7 +27,6 @@ CROSS_ENCODER = "cross-encoder: a sequence-classification model's relevance for 
 
 class RerankDecode(BodyDecode[RerankRequest]):
     type_name: ClassVar[str] = "rerank.decode"
-    output_type: ClassVar[Any] = RerankRequest
     description = "validates a Jina/Cohere rerank body (query, documents, top_n, return_documents)"
 
     def decode(self, http: HttpRequest) -> RerankRequest:
@@ -36,8 +35,6 @@ class RerankDecode(BodyDecode[RerankRequest]):
 
 class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
     type_name: ClassVar[str] = "rerank"
-    input_type: ClassVar[Any] = RerankRequest
-    output_type: ClassVar[Any] = Ranking
     description = "scores documents against a query: a cross-encoder per pair, or embedding cosine similarity"
 
     async def run(self, inbox: trio.MemoryReceiveChannel[RerankRequest], outbox: Outbox[Ranking]) -> None:
@@ -60,7 +57,6 @@ class Rerank(EmbeddingModelStage[RerankRequest, Ranking]):
 
 class RerankFormat(JsonFormat[Ranking]):
     type_name: ClassVar[str] = "rerank.format"
-    input_type: ClassVar[Any] = Ranking
     description = "answers results [{index, relevance_score, document?}] best first"
     codec = openai_chat.ChatCodec  # OpenAI's error shape
 

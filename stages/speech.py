@@ -9,12 +9,12 @@ audio leaves before the rest of the input is spoken.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import trio
 
-from flow.resources import ModelResource
-from flow.stage import ExitStage, Outbox
+from flow.graph.stage import ExitStage, Outbox
+from flow.resources.model import ModelResource
 from protocols import openai_chat, openai_speech
 from protocols.audio_codecs import AudioEncoder
 from protocols.errors import ApiError
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 
 class SpeechDecode(BodyDecode[SpeechRequest]):
     type_name: ClassVar[str] = "openai.audio.speech.decode"
-    output_type: ClassVar[Any] = SpeechRequest
     description = "validates an OpenAI speech body (input, voice, instructions, speed, formats)"
 
     def decode(self, http: HttpRequest) -> SpeechRequest:
@@ -40,8 +39,6 @@ class SpeechDecode(BodyDecode[SpeechRequest]):
 
 class Synthesize(AudioModelStage[SpeechRequest, SpeechEvent]):
     type_name: ClassVar[str] = "synthesize"
-    input_type: ClassVar[Any] = SpeechRequest
-    output_type: ClassVar[Any] = SpeechEvent
     capability = "tts"
     description = ("speaks text with a text-to-speech model (mlx-audio) sentence by sentence, each sentence's "
                    "audio handed on as soon as it is synthesized; concurrent requests share passes where the model "
@@ -84,8 +81,6 @@ def speech_options(resource: ModelResource, loaded: LoadedAudio, request: Speech
 
 class SpeechFormat(ExitStage[SpeechEvent, WireFrame]):
     type_name: ClassVar[str] = "openai.audio.speech.format"
-    input_type: ClassVar[Any] = SpeechEvent
-    output_type: ClassVar[Any] = WireFrame
     codec = openai_chat.ChatCodec  # OpenAI's error shape
     description = ("streams speech as the requested file (mp3, opus, aac, flac, wav, pcm: one header, then "
                    "samples) or as SSE speech.audio.delta / speech.audio.done events")

@@ -36,7 +36,7 @@ import json
 import string
 from typing import Any
 
-from flow.families import Family
+from flow.catalog.families import Family
 from protocols.ir import ChatRequest, content_parts
 from protocols.parsers.sectioned import CALL, SECTION, SEPARATOR
 

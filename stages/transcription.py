@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import trio
 from pydantic import Field
 
-from flow.stage import ExitStage, Outbox
+from flow.graph.stage import ExitStage, Outbox
 from protocols import openai_audio, openai_chat
 from protocols.audio_codecs import decode_audio
 from protocols.errors import ApiError
@@ -41,7 +41,6 @@ MAX_PROMPT_CHARS = 4096  # Whisper reads at most 223 prompt tokens; a longer pro
 
 class TranscriptionsDecode(BodyDecode[TranscriptionRequest]):
     type_name: ClassVar[str] = "openai.audio.transcriptions.decode"
-    output_type: ClassVar[Any] = TranscriptionRequest
     body_types: ClassVar[frozenset[str]] = frozenset({openai_audio.MULTIPART})
     description = "reads an OpenAI transcription form (multipart: file, model, language, prompt, formats, stream)"
     task: ClassVar[str] = "transcribe"
@@ -62,15 +61,13 @@ class TranscribeConfig(AudioModelsConfig):
 
 class Transcribe(AudioModelStage[TranscriptionRequest, TranscriptEvent]):
     type_name: ClassVar[str] = "transcribe"
-    input_type: ClassVar[Any] = TranscriptionRequest
-    output_type: ClassVar[Any] = TranscriptEvent
     Config = TranscribeConfig
     capability = "stt"
     description = ("transcribes or translates speech with a Whisper model (mlx-audio), sharing the device thread "
                    "fairly with chat; streams finished segments")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         assert isinstance(self.config, TranscribeConfig)
         self.max_seconds = self.config.max_seconds
 
@@ -136,8 +133,6 @@ def transcribe_options(model: str, loaded: LoadedAudio, request: TranscriptionRe
 
 class TranscriptionsFormat(ExitStage[TranscriptEvent, WireFrame]):
     type_name: ClassVar[str] = "openai.audio.transcriptions.format"
-    input_type: ClassVar[Any] = TranscriptEvent
-    output_type: ClassVar[Any] = WireFrame
     codec = openai_chat.ChatCodec  # OpenAI's error shape
     description = ("answers a transcript as json, text, srt, vtt or verbose_json, or streams it as SSE "
                    "transcript.text.delta / transcript.text.done events")

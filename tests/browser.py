@@ -20,7 +20,7 @@ def headless_chromium(executable: str) -> Iterator[Any]:
     """A Playwright ``Browser`` on ``executable``, closed at the end."""
     from playwright.sync_api import sync_playwright
 
-    # The process may preload OpenBLAS for MLX (flow.blas); the browser and Playwright's driver must not
+    # The process may preload OpenBLAS for MLX (flow.cli.blas); the browser and Playwright's driver must not
     # inherit it (node cannot start its threads with it).
     preload = os.environ.pop("LD_PRELOAD", None)
     try:

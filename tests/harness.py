@@ -14,9 +14,10 @@ from typing import Any
 
 import httpx
 
-from flow.compiler import CompiledGraph, compile_tables
-from flow.embedded import RunningServer, running_server
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.graph.compiled import CompiledGraph
+from flow.graph.spec import load_tables
+from flow.serve.embedded import RunningServer, running_server
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 WEATHER_TOOLS: list[Any] = [{"type": "function", "function": {

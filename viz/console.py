@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import json
 from importlib.resources import files
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import trio
 from pydantic import Field
 
-from flow.stage import Outbox, StageConfig
+from flow.graph.stage import Outbox, StageConfig
 from protocols import openai_chat
 from protocols.ir import HttpRequest, WireFrame
 from stages.protocol import EndpointStage
 from viz.svg import render_svg
 
 if TYPE_CHECKING:
-    from flow.compiler import CompiledGraph
+    from flow.graph.compiled import CompiledGraph
 
 # The page runs only its own inline script and talks only to this server; no other site may frame it.
 PAGE_HEADERS = (
@@ -70,8 +70,8 @@ class ConsolePage(EndpointStage):
     codec = openai_chat.ChatCodec
     public: ClassVar[bool] = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         config = self.config
         assert isinstance(config, ConsolePageConfig)
         settings = json.dumps(config.model_dump()).replace("<", "\\u003c")  # cannot close the script element
@@ -92,8 +92,8 @@ class ConsoleGraph(EndpointStage):
     description = "the graph this stage belongs to, drawn as SVG (what flow viz --format svg writes)"
     codec = openai_chat.ChatCodec
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.svg = b""
 
     def bind_graph(self, graph: CompiledGraph) -> None:

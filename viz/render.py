@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # at run time viz is imported while the compiler is (flow.builtins registers the console)
-    from flow.compiler import CompiledGraph
+    from flow.graph.compiled import CompiledGraph
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from viz.render import Edge, Node, layout
 
 if TYPE_CHECKING:
-    from flow.compiler import CompiledGraph
+    from flow.graph.compiled import CompiledGraph
 
 CHAR_WIDTH = 6.6  # px per character of the 11px monospace-ish label font
 PAD = 10  # inside a box, left and right

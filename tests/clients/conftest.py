@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.graph.spec import load_tables
 from runtime.tiny import TinySpec, ensure_tiny_model
 from tests.harness import GRAPHS, RunningServer, running_server
 

@@ -24,8 +24,8 @@ import mlx.core as mx
 import openai
 import pytest
 
-from flow.capabilities import data_dir
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
+from flow.catalog.capabilities import data_dir
 from runtime.tiny.adapters import build_tiny_adapter
 from tests.harness import RunningServer, running_server, tables_with_prefix_cache
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from protocols.ir import Message
 from stages.chat import turn_groups
 from tests.harness import RunningServer, running_server, tables_with_prefix_cache
@@ -387,8 +387,8 @@ def test_one_turn_at_a_time_and_a_client_that_leaves_frees_the_agent(server: Run
 
 
 def test_a_turn_is_released_only_by_the_request_that_holds_it(tmp_path: Path) -> None:
-    from flow.agent_store import AgentStore, AgentStoreConfig
-    from flow.resource import Links
+    from flow.graph.resource import Links
+    from flow.resources.agent_store import AgentStore, AgentStoreConfig
     from protocols.errors import ApiError
 
     store = AgentStore("agent_store", AgentStoreConfig(path=str(tmp_path / "agents.sqlite")), Links())

@@ -19,7 +19,7 @@ import numpy as np
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from protocols.audio_codecs import decode_audio
 from runtime.tiny import ensure_tiny_model
 from tests.audio_clips import CONTAINERS, encode_as, speech_like

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flow import blas
+from flow.cli import blas
 
 AVX512 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512cd avx512bw avx512dq avx512vl".split())
 AVX2 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma".split())

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import RunningServer, graph_with_model, running_server, tables_with_prefix_cache
 
 CHUNK = 256

@@ -9,8 +9,10 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from flow.cli import main as cli_main
-from flow.compiler import CompileError, compatible, compile_file
+from flow.builtins import compile_file
+from flow.cli.main import main as cli_main
+from flow.graph.compiled import CompileError
+from flow.graph.compiler import compatible
 from protocols.ir import Generation, GenerationStarted, StreamEvent, TextDelta, TokenChunk
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"

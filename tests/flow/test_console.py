@@ -13,11 +13,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flow import cli
-from flow.compiler import compile_file, compile_tables
-from flow.stats_feed import MAX_FEEDS
-from tests.harness import (GRAPHS, RunningServer, feed_events, graph_with_key, graph_with_model, merged, openai_error,
-                           running_server, tables_with_model)
+from flow.builtins import compile_file, compile_tables
+from flow.cli import main as cli
+from flow.serve.stats_feed import MAX_FEEDS
+from tests.harness import (
+    GRAPHS,
+    RunningServer,
+    feed_events,
+    graph_with_key,
+    graph_with_model,
+    merged,
+    openai_error,
+    running_server,
+    tables_with_model,
+)
 from viz.svg import render_svg
 
 

@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 import trio
 
-from flow.compiler import compile_tables
-from flow.response_store import ResponseStore, ResponseStoreConfig
-from flow.resource import Links
+from flow.builtins import compile_tables
+from flow.graph.resource import Links
+from flow.resources.response_store import ResponseStore, ResponseStoreConfig
 from protocols.ir import Message
 from runtime.kv_disk import DiskTier, HostBlock
 from runtime.private_files import is_private, private_db, private_dir, private_file

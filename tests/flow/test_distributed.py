@@ -331,8 +331,8 @@ async def test_a_lost_group_never_waits_for_its_device_thread(tiny_llama: Path,
     import trio
     from mlx_lm.utils import load
 
-    from flow import cluster as cluster_module
-    from flow.cluster import Cluster, Placement
+    from flow.resources import cluster
+    from flow.resources.cluster import Cluster, Placement
     from protocols.ir import SamplingParams
     from runtime.device import DeviceLost, DeviceThread
     from runtime.engine import Engine
@@ -410,7 +410,7 @@ def test_mismatched_ranks_are_refused_before_load(tmp_path: Path, tiny_llama: Pa
     config = json.loads((other / "config.json").read_text())
     config["rms_norm_eps"] = 1e-6
     (other / "config.json").write_text(json.dumps(config))
-    from flow.cluster import Placement
+    from flow.resources.cluster import Placement
     from runtime.distributed import RankSpec
 
     hostfile = tmp_path / "hosts.json"
@@ -444,7 +444,7 @@ def test_step_message_round_trip() -> None:
 
 def test_hostfile_placement(tmp_path: Path) -> None:
     """mlx.launch's hostfile, both shapes: one ring address per host, ports counting up; remote hosts named."""
-    from flow.cluster import ClusterError, Placement
+    from flow.resources.cluster import ClusterError, Placement
 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps({"backend": "ring", "hosts": [{"ssh": "a", "ips": ["127.0.0.1"]},
@@ -466,7 +466,7 @@ def test_hostfile_placement(tmp_path: Path) -> None:
 def test_distributed_settings_are_checked_as_a_whole() -> None:
     from pydantic import ValidationError
 
-    from flow.resources import DistributedSettings, ModelConfig
+    from flow.resources.model import DistributedSettings, ModelConfig
 
     with pytest.raises(ValidationError, match="either ranks"):
         DistributedSettings()

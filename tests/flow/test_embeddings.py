@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from runtime.tiny import ensure_tiny_model
 from tests.harness import RunningServer, running_server, tables_with_model
 
@@ -386,7 +386,7 @@ def test_real_rerank_puts_the_relevant_document_first(real_server: RunningServer
 
 
 def test_the_loaded_models_are_out_of_the_cycle_collectors_scans(server: RunningServer) -> None:
-    """After its models load, a server's long-lived objects are frozen (flow.heap): a full collection scans what
+    """After its models load, a server's long-lived objects are frozen (flow.resources.heap): a full collection scans what
     requests made since, not the models, modules and tokenizers (100+ ms pauses of the whole process)."""
     import gc
 

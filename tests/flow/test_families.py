@@ -19,13 +19,13 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from flow.compiler import compile_tables
-from flow.families import builtin_families, load_families, resolve_family
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.catalog.families import builtin_families, load_families, resolve_family
+from flow.graph.spec import load_tables
 from protocols.ir import ChatRequest, Message
 from runtime.tiny import ensure_tiny_model
 from stages.chat import render_prompt
-from tests.harness import GRAPHS, RunningServer, WEATHER_TOOLS, graph_with_model, running_server
+from tests.harness import GRAPHS, WEATHER_TOOLS, RunningServer, graph_with_model, running_server
 
 TOOLS = WEATHER_TOOLS
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

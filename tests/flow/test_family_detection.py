@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flow.families import builtin_families, load_families, resolve_family
+from flow.catalog.families import builtin_families, load_families, resolve_family
 
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
@@ -92,7 +92,7 @@ def test_without_a_template_the_config_still_decides(tmp_path_factory: pytest.Te
 def test_named_templates_are_read_whole(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Hermes 3 ships a plain ChatML "default" and a "tool_use" template with the markers: as
     tokenizer_config.json lists them, and as transformers hands them over (a mapping), all are searched."""
-    from flow.local_models import chat_template
+    from flow.catalog.local_models import chat_template
 
     path = model_dir(tmp_path_factory, "llama", ["LlamaForCausalLM"])
     default = SMOLLM2_TEMPLATE
@@ -132,7 +132,7 @@ def test_every_family_names_known_parsers_and_options() -> None:
 
 def test_bad_parser_options_in_a_family_file_are_reported(tmp_path: Path) -> None:
     (tmp_path / "mine.toml").write_text('name = "mine"\n[tools]\nparser = "xml_calls"\n[tools.options]\nwraper = []\n')
-    from flow.families import FamilyError
+    from flow.catalog.families import FamilyError
 
     with pytest.raises(FamilyError, match="tools.options: unknown option.*wraper.*valid options: wrapper"):
         load_families(tmp_path)

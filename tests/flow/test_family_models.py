@@ -23,8 +23,8 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from flow.compiler import compile_tables
-from flow.families import builtin_families, resolve_family
+from flow.builtins import compile_tables
+from flow.catalog.families import builtin_families, resolve_family
 from protocols.ir import ChatRequest, Message
 from runtime.tiny import ensure_tiny_model
 from stages.chat import render_prompt
@@ -298,8 +298,8 @@ def test_probe_keeps_the_family_markers_and_serving_drops_them_for_another_parse
     ``xml_calls`` in ``<seed:tool_call>``); if it records another parser, serving gives that one its defaults."""
     from dataclasses import replace
 
-    from flow.capabilities import CapabilityStore, family_from_capabilities
-    from flow.cli import main
+    from flow.catalog.capabilities import CapabilityStore, family_from_capabilities
+    from flow.cli.main import main
     from protocols.parsers import make_tool_parser
 
     db = tmp_path / "caps.sqlite"

@@ -18,8 +18,8 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from flow.compiler import compile_tables
-from flow.families import builtin_families, resolve_family
+from flow.builtins import compile_tables
+from flow.catalog.families import builtin_families, resolve_family
 from protocols.ir import ChatRequest, Message
 from runtime.tiny import ensure_tiny_model
 from stages.chat import render_prompt

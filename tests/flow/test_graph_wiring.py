@@ -12,9 +12,10 @@ from typing import Any
 import networkx as nx
 import pytest
 
-from flow.compiler import CompileError, compile_tables
-from flow.resource import Links
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.graph.compiled import CompileError
+from flow.graph.resource import Links
+from flow.graph.spec import load_tables
 from tests.harness import GRAPHS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,8 +88,8 @@ def test_single_references_default_to_the_only_one_and_ask_when_ambiguous() -> N
 
 
 def test_resource_references_may_not_loop() -> None:
-    from flow.registry import Registry
-    from flow.resource import Reference, Resource, ResourceConfig
+    from flow.graph.registry import Registry
+    from flow.graph.resource import Reference, Resource, ResourceConfig
 
     class PairConfig(ResourceConfig):
         other: str | None = None
@@ -124,9 +125,9 @@ def test_default_exit_and_shell_paths_are_checked() -> None:
 
 
 def test_checking_a_graph_imports_no_mlx() -> None:
-    code = ("import sys; from flow.compiler import compile_file; from viz import render_mermaid; "
+    code = ("import sys; from flow.builtins import compile_file; from viz import render_mermaid; "
             "render_mermaid(compile_file('graphs/default.toml')); "
-            "import flow.cli; flow.cli.main(['stages']) if False else None; "
+            "import flow.cli.main; flow.cli.main.main(['stages']) if False else None; "
             "heavy = [m for m in ('mlx', 'mlx_lm', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -135,6 +136,16 @@ def test_checking_a_graph_imports_no_mlx() -> None:
                             capture_output=True, text=True, timeout=60)
     assert stages.returncode == 0 and "models.list" in stages.stdout
     assert " mlx" not in stages.stderr  # -X importtime lists every module imported, on stderr
+
+
+def test_the_compiler_knows_no_stage_and_no_mlx() -> None:
+    """The framework core stands alone: the compiler is handed a registry, it imports none."""
+    code = ("import sys, flow.graph.compiler; "
+            "loaded = [m for m in sys.modules if m.split('.')[0] in ('stages', 'viz', 'mlx', 'mlx_lm') "
+            "or m.startswith(('flow.serve', 'flow.resources', 'flow.builtins', 'flow.cli'))]; "
+            "assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
 
 
 def _top_level_imports(path: Path) -> set[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import GRAPHS, RunningServer, free_port, running_server, tables_with_model
 
 B: dict[str, Any] = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -378,7 +378,7 @@ def test_sigterm_drains_streams_then_ends_them_in_their_protocol(tiny_qwen3: Pat
 def test_at_sigterm_a_stream_ends_cleanly_before_docker_stops_kills(tiny_qwen3: Path, tmp_path: Path) -> None:
     """With the default grace, a stream running at SIGTERM gets that long, then its protocol's own end, and the
     process exits before ``docker stop``'s 10 s, even with a connection that never finishes its request."""
-    from flow.spec import ServerSpec
+    from flow.graph.spec import ServerSpec
 
     grace = ServerSpec().shutdown_grace_seconds
     docker_stop = 10.0

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from flow import heap
+from flow.resources import heap
 
 
 class _Node:

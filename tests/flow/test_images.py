@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from protocols.anthropic_messages import decode_messages_request
 from protocols.documents import media_marker
 from protocols.openai_chat import decode_chat_request

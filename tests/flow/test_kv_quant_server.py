@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from flow.compiler import compile_tables
-from flow.embedded import RunningServer, running_server
-from flow.server import first_error
+from flow.builtins import compile_tables
+from flow.serve.embedded import RunningServer, running_server
+from flow.serve.server import first_error
 from runtime.tiny import TinySpec, ensure_tiny_model
 from tests.harness import tables_with_model, tables_with_prefix_cache
 

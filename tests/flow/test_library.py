@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from flow import cli
-from flow.compiler import compile_tables
-from flow.downloads import Download, Progress, progress_line, pull
-from flow.fit import Machine, assess, record_measured_decode_tps
+from flow.builtins import compile_tables
+from flow.catalog.fit import Machine, assess, record_measured_decode_tps
+from flow.cli import main as cli
+from flow.resources.downloads import Download, Progress, progress_line, pull
 from tests.fake_hub import COMMIT, Outage, hub_switched_on
 from tests.harness import RunningServer, running_server, tables_with_model
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from protocols.documents import PDF_CPU_SECONDS
 from runtime.tiny import ensure_tiny_model
 from tests.harness import RunningServer, running_server, tables_with_model

@@ -17,11 +17,11 @@ import anthropic
 import openai
 import pytest
 
-from flow.compiler import compile_tables
-from flow.families import builtin_families, resolve_family
+from flow.builtins import compile_tables
+from flow.catalog.families import builtin_families, resolve_family
 from protocols.ir import ChatRequest, Message
 from stages.chat import response_parser
-from tests.harness import RunningServer, WEATHER_TOOLS, running_server, tables_with_model
+from tests.harness import WEATHER_TOOLS, RunningServer, running_server, tables_with_model
 
 TOOLS = WEATHER_TOOLS
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

@@ -8,7 +8,7 @@ from pathlib import Path
 import anthropic
 import httpx
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import GRAPHS, RunningServer, running_server, tables_with_model
 
 
@@ -37,7 +37,7 @@ def test_without_a_catch_all_unknown_ids_stay_404(qwen3_server: RunningServer) -
 
 
 def test_model_on_the_command_line_replaces_the_name_and_its_aliases(tiny_llama: Path, tmp_path: Path) -> None:
-    from flow.cli import _load_graph
+    from flow.cli.main import _load_graph
 
     graph_file = tmp_path / "graph.toml"
     graph_file.write_text(f'extends = "{GRAPHS / "demo.toml"}"\n[resources.model]\n'

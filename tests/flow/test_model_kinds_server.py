@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import running_server, tables_with_model
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
-from flow.resource import Links
-from flow.resources import ModelResource
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.graph.resource import Links
+from flow.graph.spec import load_tables
+from flow.resources.model import ModelResource
 from runtime.model_kinds import detect_kind_of
 from tests.harness import GRAPHS, running_server, tables_with_model
 

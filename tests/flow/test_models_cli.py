@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from flow.capabilities import Capabilities, CapabilityStore
-from flow.cli import main
+from flow.catalog.capabilities import Capabilities, CapabilityStore
+from flow.cli.main import main
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

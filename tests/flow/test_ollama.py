@@ -15,7 +15,7 @@ import ollama
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from runtime.tiny import ensure_tiny_model
 from tests.harness import WEATHER_TOOLS, RunningServer, running_server, tables_with_model
 

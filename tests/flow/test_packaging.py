@@ -103,7 +103,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 def test_flow_and_its_graphs_come_from_the_wheel(installed: Installed) -> None:
     where = subprocess.run(
         [str(installed.venv / "bin" / "python"), "-c",
-         "import json, flow, flow.bundled as b; "
+         "import json, flow, flow.catalog.bundled as b; "
          "print(json.dumps([flow.__file__, str(b.graphs_dir()), sorted(b.bundled_graphs())]))"],
         cwd=installed.cwd, env=installed.env, capture_output=True, text=True, timeout=60)
     assert where.returncode == 0, where.stderr

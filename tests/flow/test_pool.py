@@ -18,8 +18,8 @@ import httpx
 import numpy as np
 import openai
 
-from flow.compiler import compile_tables
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.graph.spec import load_tables
 from tests.harness import GRAPHS, RunningServer, running_server
 
 

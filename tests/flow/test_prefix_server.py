@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import RunningServer, running_server, tables_with_prefix_cache
 
 BLOCK = 16

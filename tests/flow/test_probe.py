@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flow.capabilities import Capabilities, CapabilityStore
-from flow.cli import main
+from flow.catalog.capabilities import Capabilities, CapabilityStore
+from flow.cli.main import main
 from runtime.models import resolve_model_path
 from tests.harness import graph_with_model, running_server
 

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from flow.compiler import compile_tables
-from flow.fit import record_measured_decode_tps
+from flow.builtins import compile_tables
+from flow.catalog.fit import record_measured_decode_tps
 from runtime.tiny import TinySpec, ensure_tiny_model
 from runtime.tiny.adapters import build_tiny_adapter
 from tests.fake_hub import hub_switched_on
@@ -128,7 +128,9 @@ def test_fit_answers_the_reference_report_and_sku_matrix(server: RunningServer) 
     faster = next(r for r in body["sku_matrix"] if r["sku"] == "M4 Max 128 GB")
     assert faster["decode_tps"] > row["decode_tps"] > 0  # more bandwidth, faster decode
     one = get(server, "/fit?model=tiny-llama")
-    assert one["model"] == "tiny-llama" and one["report"] == body["report"]
+    # The same report for the one model, but for the memory free now (read live, it moves between calls).
+    steady = {key: value for key, value in body["report"].items() if key != "usable_bytes"}
+    assert one["model"] == "tiny-llama" and {k: v for k, v in one["report"].items() if k != "usable_bytes"} == steady
 
 
 def test_adapters_answers_the_reference_list(server: RunningServer) -> None:

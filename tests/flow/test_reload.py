@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import running_server, tables_with_prefix_cache
 
 SYSTEM = "You are a careful assistant. " * 24  # several prefix-cache blocks, shared by every turn below

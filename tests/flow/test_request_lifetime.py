@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from flow.stage import on_request_end, request_lifetime
+from flow.graph.stage import on_request_end, request_lifetime
 
 
 async def test_callbacks_run_last_first_also_from_worker_threads() -> None:

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any
-
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 from mlx_lm import stream_generate
 
-from flow.compiler import compile_tables
-from flow.spec import load_tables
+from flow.builtins import compile_tables
+from flow.graph.spec import load_tables
 from tests.harness import GRAPHS, RunningServer, running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse."}]

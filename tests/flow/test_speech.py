@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from protocols.openai_speech import sentences
 from runtime.tiny import ensure_tiny_model
 from tests.harness import RunningServer, openai_error, running_server, tables_with_model

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from protocols.openai_speech import sentences
 from runtime.tiny import ensure_tiny_model
 from runtime.tiny.audio import QWEN3_TTS_FRAME_SAMPLES

@@ -1,4 +1,4 @@
-"""``flow.stats_feed``: what changed between two readings, and the feed's events (the route itself, over a real
+"""``flow.serve.stats_feed``: what changed between two readings, and the feed's events (the route itself, over a real
 server: test_console.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flow.stats_feed import KEEPALIVE_SECONDS, FeedLimit, changes, parse_interval, stats_events
+from flow.serve.stats_feed import KEEPALIVE_SECONDS, FeedLimit, changes, parse_interval, stats_events
 from protocols.errors import ApiError
 from tests.harness import merged
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from runtime.cpu_activations import use_fast_gelu
 from runtime.tiny import ensure_tiny_model
 from tests.harness import RunningServer, running_server, tables_with_model

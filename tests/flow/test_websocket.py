@@ -15,7 +15,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
-from flow.compiler import compile_tables
+from flow.builtins import compile_tables
 from tests.harness import RunningServer, running_server, tables_with_model
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from flow.families import builtin_families
+from flow.catalog.families import builtin_families
 from protocols.ir import TextDelta, ToolCallDelta
 from protocols.parsers import (
     Event,

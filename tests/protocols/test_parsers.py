@@ -318,7 +318,7 @@ def test_fallback_loses_and_duplicates_nothing(case: Case) -> None:
 
 
 def test_every_format_is_covered() -> None:
-    from flow.families import builtin_families
+    from flow.catalog.families import builtin_families
     from tests.protocols.test_family_formats import CASES as FAMILY_CASES
 
     by_family = {builtin_families()[c.family].tools.parser for c in FAMILY_CASES}

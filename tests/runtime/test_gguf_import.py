@@ -316,7 +316,7 @@ def test_auto_keeps_the_files_precision_class(file_type: int, dtype: str) -> Non
 
 
 def test_the_served_name_of_a_gguf_drops_its_suffixes(tiny_ggufs: dict[str, Path]) -> None:
-    from flow.cli import _load_graph
+    from flow.cli.main import _load_graph
     from tests.harness import GRAPHS
 
     graph = _load_graph(str(GRAPHS / "default.toml"), model="/models/SmolLM2-135M-Instruct-00001-of-00002.gguf")
@@ -426,7 +426,7 @@ def test_the_server_serves_a_gguf_path(real_ggufs: dict[str, tuple[Path, Path]],
     """`flow serve default --model SmolLM2.gguf`: imported (auto: the file is Q4_1, so q4) and served."""
     import openai
 
-    from flow.cli import _load_graph
+    from flow.cli.main import _load_graph
     from tests.harness import GRAPHS, running_server
 
     monkeypatch.setenv("FLOW_CACHE_DIR", str(tmp_path_factory.mktemp("serve-cache")))

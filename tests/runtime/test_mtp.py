@@ -165,7 +165,8 @@ def test_a_model_without_mtp_layers_is_refused(device: DeviceThread, tmp_path: P
     import json
     import shutil
 
-    from flow.compiler import CompileError, compile_tables
+    from flow.builtins import compile_tables
+    from flow.graph.compiled import CompileError
     from tests.harness import tables_with_model
 
     tables = tables_with_model(ensure_tiny_model("tiny-qwen3.5-mtp"), speculative={"kind": "mtp"})
@@ -188,7 +189,7 @@ def test_a_model_without_mtp_layers_is_refused(device: DeviceThread, tmp_path: P
 def test_a_graph_serves_a_model_drafting_with_its_mtp_layers() -> None:
     import httpx
 
-    from flow.compiler import compile_tables
+    from flow.builtins import compile_tables
     from tests.harness import running_server, tables_with_model
 
     def answers(tables: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:

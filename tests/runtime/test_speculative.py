@@ -238,7 +238,7 @@ def test_the_drafter_looks_up_the_latest_longest_match() -> None:
 
 
 def test_the_graph_setting_reaches_the_engine(tmp_path: Path) -> None:
-    from flow.compiler import compile_tables
+    from flow.builtins import compile_tables
     from tests.harness import tables_with_model
 
     tables = tables_with_model(ensure_tiny_model("tiny-llama"))
@@ -351,7 +351,8 @@ async def test_sampled_rows_with_a_draft_model_give_what_the_seed_gives(device: 
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused_by_the_compiler() -> None:
-    from flow.compiler import CompileError, compile_tables
+    from flow.builtins import compile_tables
+    from flow.graph.compiled import CompileError
     from tests.harness import tables_with_model
 
     tables = tables_with_model(ensure_tiny_model("tiny-llama"))
@@ -372,7 +373,7 @@ def test_a_graph_serves_a_model_with_its_draft_model() -> None:
     is pinned for its target, and the answers are the ones without speculation."""
     import httpx
 
-    from flow.compiler import compile_tables
+    from flow.builtins import compile_tables
     from tests.harness import running_server, tables_with_model
 
     def answers(tables: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
