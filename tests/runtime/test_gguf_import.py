@@ -330,8 +330,9 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path: Path) -
     BPE model trained here with Llama 2's settings."""
     spm = pytest.importorskip("sentencepiece")
     corpus = tmp_path / "corpus.txt"
-    readme = Path(__file__).resolve().parents[2] / "README.md"
-    corpus.write_text(readme.read_text() + "\nZürich café naïve résumé 東京 🙂\n<tool> and <tool>\n")
+    root = Path(__file__).resolve().parents[2]
+    text = "".join(path.read_text() for path in (root / "README.md", root / "docs" / "benchmarks.md"))
+    corpus.write_text(text + "\nZürich café naïve résumé 東京 🙂\n<tool> and <tool>\n")
     spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=800,
                                    model_type="bpe", byte_fallback=True, split_digits=True,
                                    normalization_rule_name="identity", remove_extra_whitespaces=False,
