@@ -30,6 +30,12 @@ class SpecError(Exception):
         self.message = message
 
 
+SHUTDOWN_CLOSE_SECONDS = 1.0
+"""After a graceful stop's grace, the time the ended requests' error events have to go out; connections still
+open then (a body never finished) are closed and the process exits. Default grace + this: inside ``docker stop``'s
+10 s."""
+
+
 class ServerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     host: str = "127.0.0.1"

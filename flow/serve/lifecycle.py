@@ -18,6 +18,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from flow.graph.spec import SHUTDOWN_CLOSE_SECONDS
 from flow.serve import hypercorn_fixes
 from flow.serve.http import create_app
 from flow.serve.server import FlowServer
@@ -131,7 +132,7 @@ async def serve(server: FlowServer, host: str, port: int, *,
             config.keep_alive_timeout = spec.idle_timeout_seconds
             # Connections still open a second past the grace (a half-sent body, the last error events) are closed:
             # the process exits about a second after the grace, inside the supervisor's (flow.graph.spec).
-            config.graceful_timeout = grace + 1
+            config.graceful_timeout = grace + SHUTDOWN_CLOSE_SECONDS
             config.accesslog = None
             config.errorlog = logging.getLogger("hypercorn.error")  # one handler: the root logger's
             async with trio.open_nursery() as nursery:
