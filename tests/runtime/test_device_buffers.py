@@ -44,3 +44,53 @@ def test_an_idle_device_releases_its_cached_buffers(monkeypatch: pytest.MonkeyPa
         assert device.call(lambda: mx.ones((4,)).sum().item()) == 4.0
     finally:
         device.stop()
+
+
+class _Busy:
+    """A stepper with work until ``stop``: each step allocates and frees MLX buffers, as a decode step does."""
+
+    def __init__(self, device: DeviceThread) -> None:
+        self.device = device
+        self.stop = time.monotonic() + 1.5
+        self.steps = 0
+        self.releases_seen: set[int] = set()  # the device's release count, as each step saw it
+
+    def has_work(self) -> bool:
+        return time.monotonic() < self.stop
+
+    def step(self) -> None:
+        self.releases_seen.add(self.device.releases)
+        mx.eval(mx.ones((MB,), dtype=mx.float32) * self.steps)
+        self.steps += 1
+        time.sleep(0.01)
+
+    def abandon(self, error: Exception) -> None:
+        pass
+
+
+def test_memory_is_released_only_once_the_device_idles_and_only_after_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtime.device, "IDLE_RELEASE_SECONDS", 0.3)
+    device = DeviceThread("test-idle-release")
+    try:
+        device.call(lambda: None)
+        deadline = time.monotonic() + 10
+        while device.releases < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert device.releases == 1  # after the first job
+        busy = _Busy(device)
+        device.add_stepper(busy)
+        while busy.has_work():
+            time.sleep(0.05)
+        # 1.5 s of steps, five times the idle delay: no release ran between them
+        assert busy.steps > 20 and busy.releases_seen == {1}
+        deadline = time.monotonic() + 10
+        while device.releases < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert device.releases == 2
+        assert runtime.device.trim_heap() == (device.last_release["trimmed"] is True)
+        time.sleep(1.0)  # idle with nothing done since: no further release
+        assert device.releases == 2
+        stats = device.stats_json()
+        assert stats["idle_releases"] == 2 and stats["last_idle_release"]["rss_after_mib"] > 0
+    finally:
+        device.stop()
