@@ -88,13 +88,13 @@ def test_the_stats_feed_is_a_reading_then_what_changed(qwen3_server: RunningServ
         assert feed.headers["cache-control"] == "no-store"
         events = feed_events(feed)
         name, reading = next(events)
-        assert name == "stats" and set(reading) == set(httpx.get(base + "/stats").json())
+        assert name == "stats" and set(reading) == set(httpx.get(base + "/stats", timeout=60).json())
         runs = reading["stages"]["prepare"]["runs"]
         chat = httpx.post(qwen3_server.url + "/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
             "temperature": 0})  # greedy: sampling may draw EOS first on the random-weight model
         assert chat.status_code == 200
-        after = httpx.get(base + "/stats").json()  # nothing else runs now: the feed must come to this
+        after = httpx.get(base + "/stats", timeout=60).json()  # nothing else runs now: the feed must come to this
         kinds = set()
         for name, data in events:
             kinds.add(name)
@@ -125,7 +125,7 @@ def test_feeds_past_the_limit_are_refused_until_one_closes(qwen3_server: Running
         error = openai_error(refused, 429)
         assert refused.headers["retry-after"] == "2" and "close one, or read GET /stats" in error["message"]
         feeds[0].close()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:  # the server notices the closed connection at the feed's next write or wake-up
             with client.stream("GET", url) as again:
                 if again.status_code == 200:
@@ -137,18 +137,21 @@ def test_feeds_past_the_limit_are_refused_until_one_closes(qwen3_server: Running
 def test_the_feed_ends_when_the_server_stops(tiny_qwen3: Path) -> None:
     ended: list[str] = []
 
-    def follow(base: str, opened: threading.Event) -> None:
-        with httpx.stream("GET", base + "/stats/events?interval=0.5", timeout=60) as feed:
-            opened.set()
-            ended.extend(name for name, _ in feed_events(feed))  # until the server ends the body
+    def follow(base: str, first: threading.Event) -> None:
+        with httpx.stream("GET", base + "/stats/events?interval=0.5", timeout=120) as feed:
+            for name, _ in feed_events(feed):  # until the server ends the body
+                ended.append(name)
+                first.set()
         ended.append("end")
 
-    opened = threading.Event()
+    first = threading.Event()
     with running_server(graph_with_model(tiny_qwen3, name="feed")) as running:
-        reader = threading.Thread(target=follow, args=(running.base_url, opened), daemon=True)
+        reader = threading.Thread(target=follow, args=(running.base_url, first), daemon=True)
         reader.start()
-        assert opened.wait(30)
-    reader.join(30)  # the server's stop (above) waits for its connections: a feed left open would hold it
+        # The first reading, not just the response's head: on a loaded machine the stop below could otherwise
+        # come before the feed's first event is written, and the feed would (rightly) end with none.
+        assert first.wait(60)
+    reader.join(60)  # the server's stop (above) waits for its connections: a feed left open would hold it
     assert not reader.is_alive() and ended[0] == "stats" and ended[-1] == "end"
 
 
@@ -158,7 +161,7 @@ def test_the_consoles_own_reads_stay_out_of_the_recent_requests(qwen3_server: Ru
         assert httpx.get(base + path, timeout=60).status_code == 200, path
     assert httpx.post(qwen3_server.url + "/chat/completions", timeout=60, json={
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
-    stats = httpx.get(base + "/stats").json()
+    stats = httpx.get(base + "/stats", timeout=60).json()
     routes = [r["route"] for r in stats["recent_requests"]]
     assert routes[0] == "POST /v1/chat/completions"
     assert not {"GET /", "GET /console/graph.svg", "GET /library", "GET /downloads", "GET /fit"} & set(routes)
