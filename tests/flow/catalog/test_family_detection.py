@@ -140,7 +140,7 @@ def test_bad_parser_options_in_a_family_file_are_reported(tmp_path: Path) -> Non
 
 def test_flow_families_lists_rules_and_parsers() -> None:
     out = subprocess.run([sys.executable, "-m", "flow.cli", "families"], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parents[2]).stdout
+                         cwd=Path(__file__).parents[3]).stdout
     for family in builtin_families():
         assert f"\n{family}: " in f"\n{out}"
     assert "rules this family out" in out and "sectioned_json parser (section = " in out

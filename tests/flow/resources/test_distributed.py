@@ -27,7 +27,7 @@ import pytest
 from runtime.tiny import ensure_tiny_model
 from tests.harness import GRAPHS, serve_process
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 LONG_SYSTEM = ("You are a careful assistant. Answer briefly, cite nothing, and keep every answer on one line. "
                "The user is testing a distributed server, so the same prompt must give the same answer. ") * 2
 PROMPTS = ["hello there", "write a haiku about rivers", "what is 2 + 2?", "name three colours"]

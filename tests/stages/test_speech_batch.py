@@ -22,7 +22,7 @@ from flow.builtins import compile_tables
 from protocols.openai_speech import sentences
 from runtime.tiny import ensure_tiny_model
 from runtime.tiny.audio import QWEN3_TTS_FRAME_SAMPLES
-from tests.flow.test_speech import decoded
+from tests.stages.test_speech import decoded
 from tests.harness import RunningServer, running_server, tables_with_model
 
 TOKENS = 10  # each sentence: 10 codec frames (random weights never pick the end token first)

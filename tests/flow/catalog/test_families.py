@@ -188,7 +188,7 @@ def test_anthropic_tool_use_and_thinking_blocks(echo_server: RunningServer) -> N
     assert final.content[0].type == "thinking" and final.content[0].thinking == "The user wants weather."
     r = httpx.post(echo_server.base_url + "/v1/messages", json={
         "model": "tiny", "max_tokens": 200, "messages": messages, "tools": tools, "stream": True})
-    from tests.flow.test_server_anthropic import check_grammar, parse_sse
+    from tests.stages.test_server_anthropic import check_grammar, parse_sse
 
     events = parse_sse(r.text)
     check_grammar(events)

@@ -15,7 +15,7 @@ from flow.graph.compiled import CompileError
 from flow.graph.compiler import compatible
 from protocols.ir import Generation, GenerationStarted, StreamEvent, TextDelta, TokenChunk
 
-GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
+GRAPHS = Path(__file__).resolve().parents[3] / "graphs"
 
 BROKEN = textwrap.dedent("""
     name = "broken"

@@ -18,7 +18,7 @@ from flow.graph.resource import Links
 from flow.graph.spec import load_tables
 from tests.harness import GRAPHS
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ("flow", "stages", "protocols", "runtime", "viz")
 
 

@@ -27,7 +27,7 @@ import pytest
 
 from tests.harness import serve_process
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Top-level entries that are not part of the distribution (or are remade by the build).
 NOT_SOURCE = {".git", ".venv", "build", "dist", "tests", "scripts", ".pytest_cache", ".mypy_cache", ".flow-cache"}
 

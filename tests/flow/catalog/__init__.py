@@ -1,0 +1,1 @@
+"""Tests of what flow knows before loading a model (flow/catalog)."""

@@ -1,0 +1,1 @@
+"""Tests of the flow command (flow/cli)."""

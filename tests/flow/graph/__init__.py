@@ -1,0 +1,1 @@
+"""Tests of the framework core (flow/graph)."""

@@ -1,0 +1,1 @@
+"""Tests of the resource types (flow/resources), through the real server."""

@@ -1,0 +1,1 @@
+"""Tests of the HTTP shell (flow/serve): routes, limits, stop, reload, observability."""

@@ -1,0 +1,1 @@
+"""Tests of the stage types (stages), through the real server and the official SDKs."""
