@@ -122,13 +122,19 @@ from runtime.image_spans import key_tokens
 from runtime.model_memory import kv_bytes_per_token
 from runtime.mtp import MTPDrafter, MTPDraftState
 from runtime.pass_cost import PassCost
-from runtime.prefix_cache import BlockKeys, PrefixCache, PrefixHit, Slicer, layer_windows
+from runtime.prefix_cache import (MAX_CHUNK_STATES, BlockKeys, PrefixCache, PrefixHit, Slicer, StateReader,
+                                  layer_windows, recurrent)
 from runtime.recurrent_rollback import RecurrentRollback
 from runtime.replication import GroupLost, NewSequence, ReplicaDiverged, Replicator, StepMessage
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
 from runtime.speculative import DraftState, ModelDraftState, greedy_accepts, sampled_verify, worth_verifying
 
 log = logging.getLogger("flow.engine")
+
+# A hybrid model's prompt also gets a state snapshot at the last block boundary this many tokens or more before
+# its end: a conversation's next turn repeats the prompt but its last tokens (the generation prompt, an empty
+# thinking block) are rendered otherwise once the answer follows them.
+TURN_MARGIN = 16
 
 class SequenceHandle:
     """The trio side of one sequence."""
@@ -173,6 +179,7 @@ class _Sequence:
     keys: BlockKeys | None = None  # its block keys, extended by each store
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
     prefilled: int = 0  # prompt tokens in ``cache`` (or in ``hit``)
+    chunk_states: int = 0  # recurrent-state snapshots it stored at prefill-chunk ends
     fed: list[int] = field(default_factory=list)  # generated tokens that went back in as inputs
     fresh: bool = False  # in the batch, and its input this step is its first token (already handed out)
     generated: int = 0
@@ -904,6 +911,8 @@ class Engine:
                 if budget <= 0:
                     break
                 n = min(budget, remaining)
+                if self._snapshots:
+                    n = self._snapshot_chunk(seq, n)
                 try:
                     if seq.cache is None:
                         seq.cache = self._new_cache(seq)
@@ -930,7 +939,7 @@ class Engine:
                 budget -= n
                 self.stats.prompt_tokens += n
                 self.stats.prefill_chunks += 1
-                self._keep_prefix(seq, _own_slicer(seq.cache))
+                self._keep_prefix(seq, _own_slicer(seq.cache), state=_own_state(seq.cache))
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._waiting.popleft()
             choices, seq.followers = [seq, *seq.followers], []
@@ -1013,7 +1022,7 @@ class Engine:
         mx.eval([c.state for c in rows.cache])
         for row, seq in enumerate(group):
             seq.prefilled = len(seq.prompt) - 1
-            self._keep_prefix(seq, _row_slicer(rows.cache, row))
+            self._keep_prefix(seq, _row_slicer(rows.cache, row), state=_row_state(rows.cache, row))
         return rows
 
     def _start(self, rows: _Rows, out: list[tuple[_Sequence, TokenChunk | None]]) -> None:
@@ -1188,7 +1197,8 @@ class Engine:
             for i in finished_rows:
                 seq = batch.seqs[i]
                 if seq.policy.mode == "full":
-                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.keyed + seq.fed)
+                    self._keep_prefix(seq, _row_slicer(batch.cache, i), seq.keyed + seq.fed,
+                                      state=_row_state(batch.cache, i))
 
     # ------------------------------------------------------------------ speculative decoding
     def _drafts(self, inputs: mx.array) -> tuple[list[int], list[list[int]]] | None:
@@ -1403,20 +1413,52 @@ class Engine:
             self.prefix.release(seq.hit)
         seq.hit = None
 
-    def _keep_prefix(self, seq: _Sequence, slicer: Slicer, tokens: list[int] | None = None) -> None:
+    @cached_property
+    def _snapshots(self) -> bool:
+        """Whether the prefix cache keeps this model's recurrent states as snapshots (a hybrid model)."""
+        return self.prefix is not None and recurrent(self.windows)
+
+    def _turn_point(self, seq: _Sequence) -> int:
+        """Where a hybrid model's prompt gets a snapshot before its end: the last block boundary at least
+        ``TURN_MARGIN`` tokens before it (the next turn renders the prompt's last tokens differently)."""
+        b = self.prefix.config.block_tokens if self.prefix is not None else 1
+        return max(0, len(seq.prompt) - 1 - TURN_MARGIN) // b * b
+
+    def _snapshot_chunk(self, seq: _Sequence, n: int) -> int:
+        """A hybrid model's prefill chunk, cut to end on a block boundary (its snapshot then also goes to disk)
+        and at the prompt's turn point (its snapshot serves the conversation's next turn)."""
+        b = self.prefix.config.block_tokens if self.prefix is not None else 1
+        end = seq.prefilled + n
+        turn = self._turn_point(seq)
+        if seq.prefilled < turn < end:
+            return turn - seq.prefilled
+        if end < len(seq.prompt) - 1 and end // b * b > seq.prefilled:
+            return end // b * b - seq.prefilled
+        return n
+
+    def _keep_prefix(self, seq: _Sequence, slicer: Slicer, tokens: list[int] | None = None,
+                     state: StateReader | None = None) -> None:
         """Give the prefix cache the blocks it lacks of ``tokens``: prompt and answer when the sequence has
         finished, else its prefilled prompt. A session's turn is its last store (its finish, or its prompt in
-        ``prefix`` mode)."""
+        ``prefix`` mode). ``state`` reads a hybrid model's recurrent states there: a snapshot at the prompt's
+        end and the finish, and at up to ``MAX_CHUNK_STATES`` prefill-chunk ends."""
         if self.prefix is None:
             return
         last = tokens is not None or seq.policy.mode == "prefix"
         ends = tokens is not None or seq.prefilled >= len(seq.prompt) - 1  # the prompt's end, or the finish
+        if not self._snapshots:
+            state = None
+        elif not ends and state is not None and seq.prefilled != self._turn_point(seq):
+            if seq.chunk_states >= MAX_CHUNK_STATES:
+                state = None
+            else:
+                seq.chunk_states += 1
         if seq.keys is None:
             seq.keys = BlockKeys(seq.namespace, self.prefix.config.block_tokens)
         try:
             self.prefix.store(seq.namespace, tokens if tokens is not None else seq.keyed[: seq.prefilled], slicer,
                               tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
-                              session_id=seq.policy.session_id if last else None, keys=seq.keys)
+                              session_id=seq.policy.session_id if last else None, keys=seq.keys, state=state)
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")
 
@@ -1515,21 +1557,49 @@ def _held(layer: Any, row: int | None) -> tuple[Any, Any, int]:
 
 
 def _slicer(cache: list[Any], row: int | None) -> Slicer:
-    # Built on the first read: without a prefix cache (a model whose layer caches are not position blocks, such as
-    # Qwen3.5's linear-attention state) nothing reads it, and those caches cannot be sliced.
-    held: list[tuple[Any, Any, int]] = []
+    # Built on the first read: without a prefix cache nothing reads it. A recurrent layer (Qwen3.5's linear
+    # attention, a Mamba layer) holds no positions: its part is None (its state goes as a snapshot, _state).
+    held: list[tuple[Any, Any, int] | None] = []
 
     def read(start: int, end: int) -> list[mx.array | None]:
         if not held:
-            held.extend(_held(c, row) for c in cache)
+            held.extend(None if type(c) is ArraysCache else _held(c, row) for c in cache)
         out: list[mx.array | None] = []
-        for keys, values, first in held:
+        for layer in held:
+            if layer is None:
+                out += [None, None]
+                continue
+            keys, values, first = layer
             if start < first:
                 out += [None, None]  # a sliding window that has moved past these positions
             else:
                 out += [keys[..., start - first : end - first, :], values[..., start - first : end - first, :]]
         return out
     return read
+
+
+def _state(cache: list[Any], row: int | None) -> StateReader:
+    """The recurrent layers' states of one sequence (its own cache, or a row of a batch cache), read when called:
+    every ``ArraysCache`` array in layer order."""
+
+    def read() -> list[mx.array]:
+        out: list[mx.array] = []
+        for layer in cache:
+            if type(layer) is ArraysCache:
+                for a in layer.cache:
+                    if a is None:
+                        raise ValueError("a recurrent layer holds no state yet")
+                    out.append(a if row is None else a[row : row + 1])
+        return out
+    return read
+
+
+def _own_state(cache: list[Any]) -> StateReader:
+    return _state(cache, None)
+
+
+def _row_state(cache: list[Any], row: int) -> StateReader:
+    return _state(cache, row)
 
 
 def _own_slicer(cache: list[Any]) -> Slicer:

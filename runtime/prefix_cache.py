@@ -57,9 +57,20 @@ answers no longer than the window. A block whose sliding-window part is missing
 still serves the global layers of longer prefixes; a prefix is reused only up
 to a depth whose last ``window`` positions all have their sliding-window part,
 and the rebuilt rotating cache holds exactly those, as mlx-lm's own would.
-Layer caches that are neither (recurrent state of hybrid models, caches that
-keep leading tokens) cannot be cut into position blocks: for them
-:func:`layer_windows` says why, the engine does not use the cache, and the
+Recurrent layers (hybrid models: Qwen3.5's and Qwen3-Next's gated-delta layers, Granite 4.0-H's and
+Nemotron-H's Mamba-2 layers; mlx-lm's ``ArraysCache``) hold no positions: a layer's state after position *d*
+(its convolution window and its recurrent matrix) is a fixed-size array set that depends on every token before
+*d*. Their part of a block is empty; they are kept as *state snapshots* instead — every recurrent layer's state
+at one position, as one more entry of the cache (a :class:`Block` of no tokens), keyed by
+:func:`state_key` over the key of the prefix that ends there (so keyed like blocks: model, adapters, images,
+dtype, all in the namespace), counted in ``hot_bytes`` and evicted by the same LRU. The engine stores one at
+every prefill-chunk end (chunks end on block boundaries on such models, a bounded number per sequence), at the
+prompt's end and at the finish. A hit needs both parts at one depth *d*: the attention layers' blocks up to *d*
+(a block cut at *d* when *d* falls inside it, or a tail ending at *d*) and a snapshot at exactly *d*; the match
+takes the deepest such *d* and the rest of the prompt is prefilled from there. Snapshots at block boundaries go
+to the disk tier too (with the blocks' checksums); the others need a tail, which lives in memory only.
+Layer caches that are none of these (caches that keep leading tokens, several caches in one layer) cannot be
+cut into position blocks: for them :func:`layer_windows` says why, the engine does not use the cache, and the
 model's stats say so.
 
 Segments: the blocks one :meth:`store` adds are copied out of the sequence's cache together, one contiguous
@@ -87,7 +98,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from runtime.kv_disk import DiskTier, HostBlock
 from runtime.quantized_kv import is_packed, joined_layer
@@ -101,8 +112,22 @@ Slicer = Callable[[int, int], list[mx.array | None]]
 T = TypeVar("T")
 MAX_SESSIONS = 4096  # named sessions whose state is remembered
 SESSIONS_SHOWN = 32  # the most recently used ones in ``stats_json``
-# Per layer: None for a full KV cache, the window for a sliding-window (rotating) one.
-Windows = tuple[int | None, ...]
+# A recurrent layer's state (mlx-lm's ``ArraysCache``) at the sequence's current position: its arrays, in
+# layer order, concatenated over the recurrent layers (see the module's recurrent layers).
+StateReader = Callable[[], list[mx.array]]
+MAX_CHUNK_STATES = 8  # state snapshots one sequence stores at its prefill-chunk ends (its prompt's end aside)
+
+
+@dataclass(frozen=True)
+class Recurrent:
+    """A recurrent layer (mlx-lm's ``ArraysCache`` of ``arrays`` arrays): kept as state snapshots, not blocks."""
+
+    arrays: int
+
+
+# Per layer: None for a full KV cache, the window for a sliding-window (rotating) one, Recurrent for a
+# recurrent state.
+Windows = tuple[int | Recurrent | None, ...]
 
 
 @dataclass(frozen=True)
@@ -118,7 +143,7 @@ class PrefixConfig:
 class Segment:
     """Positions stored together: one contiguous array per layer's keys and values (see the module's Segments)."""
 
-    arrays: list[mx.array]
+    arrays: list[mx.array | None]  # None: a recurrent layer's (no positions)
     nbytes: int
     members: list[Block] = field(default_factory=list)
     live: int = 0  # its blocks in the hot tier
@@ -133,12 +158,13 @@ class Block:
     nbytes: int
     expires: float
     persist: bool  # written to the disk tier
-    length: int  # tokens: ``block_tokens``, fewer for a tail
+    length: int  # tokens: ``block_tokens``, fewer for a tail, 0 for a state snapshot
     arrays: list[mx.array | None] | None = None  # on the device: hot (None entries: see Slicer)
     host: HostBlock | None = None  # read back from disk, not yet on the device
     refs: int = 0
     segment: Segment | None = None  # ``arrays`` are views into it, from position ``offset`` on
     offset: int = 0
+    anchor: tuple[bytes, int] | None = None  # a snapshot inside a block: the key before it and its offset
 
 
 @dataclass
@@ -150,10 +176,13 @@ class PrefixHit:
     blocks: list[Block] = field(default_factory=list)
     block_tokens: int = 0
     keys: BlockKeys | None = None  # the prompt's block keys, for the sequence's own stores
+    state: Block | None = None  # recurrent layers: their snapshot at ``depth``
+    depth: int | None = None  # the positions reused, where the blocks cover more (a snapshot inside a block)
 
     @property
     def tokens(self) -> int:
-        return sum(block.length for block in self.blocks)
+        covered = sum(block.length for block in self.blocks)
+        return covered if self.depth is None else min(self.depth, covered)
 
 
 @dataclass
@@ -174,19 +203,23 @@ class PrefixStats:
     disk_reads: int = 0  # blocks brought back from disk
     stored_blocks: int = 0
     stored_tails: int = 0  # partial blocks: the ends of sequences, memory only
+    stored_states: int = 0  # recurrent layers' state snapshots
+    state_hits: int = 0  # hits restored from a state snapshot
     evictions: int = 0  # hot blocks pushed out of memory (to disk, or gone)
     expired: int = 0
 
 
 def layer_windows(cache: Sequence[Any]) -> Windows | str:
     """Each layer's window (None: a full KV cache), or why the model's cache cannot be cut into blocks."""
-    windows: list[int | None] = []
+    windows: list[int | Recurrent | None] = []
     odd: set[str] = set()
     for c in cache:
         if type(c) is KVCache:
             windows.append(None)
         elif type(c) is RotatingKVCache and c.keep == 0:
             windows.append(int(c.max_size))
+        elif type(c) is ArraysCache:
+            windows.append(Recurrent(len(c.cache)))
         else:
             odd.add(type(c).__name__ + (" with kept tokens" if isinstance(c, RotatingKVCache) else ""))
     if odd:
@@ -197,7 +230,7 @@ def layer_windows(cache: Sequence[Any]) -> Windows | str:
 def usable_depth(blocks: Sequence[Block], windows: Windows, block_tokens: int) -> int:
     """How many leading blocks can be reused: every sliding-window layer needs its part of the blocks
     that cover the last ``window`` positions of the prefix."""
-    sliding = [(i, w) for i, w in enumerate(windows) if w is not None]
+    sliding = [(i, w) for i, w in enumerate(windows) if isinstance(w, int)]
     n = len(blocks)
     while n and sliding:
         first = max(0, n * block_tokens - max(w for _, w in sliding)) // block_tokens
@@ -234,8 +267,19 @@ def tail_keys(parent: bytes, tokens: Sequence[int]) -> list[bytes]:
 
 
 def _full_layers_only(windows: Windows) -> bool:
-    """Tails need every layer to hold every position (a sliding-window layer keeps whole blocks only)."""
-    return bool(windows) and all(w is None for w in windows)
+    """Tails need every attention layer to hold every position (a sliding-window layer keeps whole blocks only;
+    a recurrent one holds no positions)."""
+    return bool(windows) and all(not isinstance(w, int) for w in windows)
+
+
+def recurrent(windows: Windows) -> bool:
+    """Whether some layer keeps a recurrent state (a hit needs a snapshot at its depth)."""
+    return any(isinstance(w, Recurrent) for w in windows)
+
+
+def state_key(position_key: bytes) -> bytes:
+    """A state snapshot's key: over the key of the prefix that ends where it was taken (a block's or a tail's)."""
+    return hashlib.sha256(b"state" + position_key).digest()[:20]
 
 
 def chain_keys(namespace: bytes, tokens: Sequence[int], blocks: int, block_tokens: int) -> list[bytes]:
@@ -312,13 +356,14 @@ def _to_device(host: HostBlock) -> list[mx.array | None]:
     return out
 
 
-def _share(blocks: list[Block], arrays: list[mx.array], live: int = 0) -> None:
+def _share(blocks: list[Block], arrays: list[mx.array | None], live: int = 0) -> None:
     """Make ``blocks`` (consecutive, together exactly the positions of ``arrays``: arrays of their own, nothing
     else's views) views into ``arrays``, a new segment (``live``: how many of the blocks are hot already)."""
     segment = Segment(arrays, _nbytes(arrays), members=list(blocks), live=live)
     start = 0
     for block in blocks:
-        views: list[mx.array | None] = [a[..., start : start + block.length, :] for a in arrays]
+        views: list[mx.array | None] = [None if a is None else a[..., start : start + block.length, :]
+                                        for a in arrays]
         block.arrays, block.segment, block.offset, block.nbytes = views, segment, start, _nbytes(views)
         start += block.length
 
@@ -334,7 +379,7 @@ def _runs(items: list[T], follows: Callable[[T, T], bool]) -> list[list[T]]:
     return runs
 
 
-def _joined_hosts(blocks: list[Block]) -> list[mx.array] | None:
+def _joined_hosts(blocks: list[Block]) -> list[mx.array | None] | None:
     """Blocks read back from disk as one array per layer's keys and values (None unless there are several, all
     stored unquantized with every layer)."""
     hosts = [block.host for block in blocks if block.host is not None]
@@ -345,6 +390,13 @@ def _joined_hosts(blocks: list[Block]) -> list[mx.array] | None:
     if any(h.stride != 1 or h.dtype != hosts[0].dtype or len(c) != count for h, c in zip(hosts, columns)):
         return None
     return [_device(np.concatenate([c[i] for c in columns], axis=2), hosts[0].dtype) for i in range(count)]
+
+
+def _segment_piece(segment: Segment, index: int, start: int, end: int) -> mx.array:
+    array = segment.arrays[index]
+    if array is None:
+        raise ValueError("a block of the match lacks this layer")
+    return array[..., start:end, :]
 
 
 def _pieces(blocks: Sequence[Block], index: int) -> list[mx.array]:
@@ -358,7 +410,7 @@ def _pieces(blocks: Sequence[Block], index: int) -> list[mx.array]:
             run = (run[0], run[1], run[2] + block.length)
             continue
         if run is not None:
-            pieces.append(run[0].arrays[index][..., run[1] : run[2], :])
+            pieces.append(_segment_piece(run[0], index, run[1], run[2]))
             run = None
         if block.segment is not None:
             run = (block.segment, block.offset, block.offset + block.length)
@@ -368,7 +420,7 @@ def _pieces(blocks: Sequence[Block], index: int) -> list[mx.array]:
             raise ValueError("a block of the match lacks this layer")
         pieces.append(own)
     if run is not None:
-        pieces.append(run[0].arrays[index][..., run[1] : run[2], :])
+        pieces.append(_segment_piece(run[0], index, run[1], run[2]))
     if not pieces:
         raise ValueError("a block of the match lacks this layer")
     return pieces
@@ -391,6 +443,8 @@ class PrefixCache:
         self.sessions: dict[str, SessionState] = {}
         self._blocks: dict[bytes, Block] = {}  # every block in memory (hot, or read back and waiting)
         self._lru: OrderedDict[bytes, None] = OrderedDict()  # hot blocks, least recently used first
+        # State snapshots in memory inside a block: the key before them → their offsets into the block.
+        self._state_offsets: dict[bytes, set[int]] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ worker threads
@@ -430,7 +484,9 @@ class PrefixCache:
             unused = PrefixHit(namespace, windows, hit.blocks[depth:], b)
             hit.blocks = hit.blocks[:depth]
             self.release(unused)
-        if _full_layers_only(windows):
+        if recurrent(windows):
+            self._match_state(namespace, tokens, hit, expires)
+        elif _full_layers_only(windows):
             self._match_tail(namespace, tokens, hit)
         with self._lock:
             for block in reversed(hit.blocks):  # deepest first: parents end up the most recently used
@@ -440,11 +496,86 @@ class PrefixCache:
             if hit.blocks:
                 self.stats.hits += 1
                 self.stats.reused_tokens += hit.tokens
+                self.stats.state_hits += hit.state is not None
+                if hit.state is not None and hit.state.key in self._lru:
+                    hit.state.expires = max(hit.state.expires, expires)
+                    self._lru.move_to_end(hit.state.key)
         if self.disk is not None:
-            for block in hit.blocks:
+            for block in [*hit.blocks, *([hit.state] if hit.state is not None else [])]:
                 if block.persist:
                     self.disk.touch(block.key, block.expires)
         return hit
+
+    def _match_state(self, namespace: bytes, tokens: Sequence[int], hit: PrefixHit, expires: float) -> None:
+        """Cut a hybrid model's hit back to the deepest depth where a state snapshot continues it: after a tail
+        that continues the full blocks, at a block boundary, or inside a block. Without one, no hit."""
+        b = hit.block_tokens
+        full = len(hit.blocks)
+        limit = len(tokens) - 1  # leave the last token to compute
+        keys = [block.key for block in hit.blocks]
+
+        def before(k: int) -> bytes:  # the key of the prefix that ends where block k (0-based) starts
+            return keys[k - 1] if k else namespace
+
+        def offsets(k: int, room: int) -> list[int]:
+            with self._lock:
+                return sorted((r for r in self._state_offsets.get(before(k), ()) if r <= room), reverse=True)
+
+        def take(depth: int, blocks: int, state: Block, tail: Block | None = None) -> None:
+            """Keep what reaches ``depth`` (references taken on ``state`` and ``tail``, lock held)."""
+            unused = PrefixHit(namespace, hit.windows, hit.blocks[blocks:], b)
+            hit.blocks = hit.blocks[:blocks] + ([tail] if tail is not None else [])
+            hit.state, hit.depth = state, depth
+            self._release_locked(unused)
+
+        # A tail after the full blocks, with a snapshot where it ends (the previous turn's prompt or answer).
+        start = full * b
+        rs = offsets(full, min(b - 1, limit - start))
+        if rs:
+            tails = tail_keys(before(full), tokens[start : start + rs[0]])
+            with self._lock:
+                for r in rs:
+                    tail, state = self._blocks.get(tails[r - 1]), self._blocks.get(state_key(tails[r - 1]))
+                    if tail is not None and state is not None and tail.arrays is not None:
+                        tail.refs += 1
+                        state.refs += 1
+                        take(start + r, full, state, tail)
+                        return
+        for k in range(full, 0, -1):
+            # At the end of block k - 1 (0-based): in memory, or on disk.
+            key = state_key(keys[k - 1])
+            with self._lock:
+                state = self._blocks.get(key)
+                if state is not None:
+                    state.refs += 1
+                    take(k * b, k, state)
+                    return
+            host = self.disk.read(key) if self.disk is not None and self.disk.has(key) else None
+            if host is not None:
+                with self._lock:
+                    state = self._blocks.get(key)
+                    if state is None:
+                        state = Block(key, keys[k - 1], namespace, _nbytes(host.arrays), expires, persist=True,
+                                      length=0, host=host)
+                        self._blocks[key] = state
+                        self.stats.disk_reads += 1
+                    state.refs += 1
+                    take(k * b, k, state)
+                    return
+            # Inside block k - 1: a snapshot at a prompt's or an answer's end that later blocks went past.
+            rs = offsets(k - 1, b - 1)
+            if rs:
+                inside = tail_keys(before(k - 1), tokens[(k - 1) * b : (k - 1) * b + rs[0]])
+                with self._lock:
+                    for r in rs:
+                        state = self._blocks.get(state_key(inside[r - 1]))
+                        if state is not None:
+                            state.refs += 1
+                            take((k - 1) * b + r, k, state)
+                            return
+        with self._lock:
+            self._release_locked(PrefixHit(namespace, hit.windows, hit.blocks, b))
+        hit.blocks = []
 
     def _match_tail(self, namespace: bytes, tokens: Sequence[int], hit: PrefixHit) -> None:
         """Extend a hit by the longest tail (in memory) that continues it: the end of an earlier sequence
@@ -465,11 +596,14 @@ class PrefixCache:
     def release(self, hit: PrefixHit) -> None:
         """Drop a hit's references (its sequence left, or its cache is built)."""
         with self._lock:
-            for block in hit.blocks:
-                block.refs -= 1
-                if block.refs == 0 and block.arrays is None:
-                    self._forget(block)  # read back from disk for a sequence that left: not worth memory
-            hit.blocks = []
+            self._release_locked(hit)
+
+    def _release_locked(self, hit: PrefixHit) -> None:
+        for block in [*hit.blocks, *([hit.state] if hit.state is not None else [])]:
+            block.refs -= 1
+            if block.refs == 0 and block.arrays is None:
+                self._forget(block)  # read back from disk for a sequence that left: not worth memory
+        hit.blocks, hit.state = [], None
 
     # ------------------------------------------------------------------ device thread
     def build(self, hit: PrefixHit) -> list[Any]:
@@ -490,9 +624,23 @@ class PrefixCache:
                     block.arrays = _to_device(block.host)
                 block.host = None
                 self._make_hot(block)
+        state = hit.state
+        if state is not None and state.arrays is None:
+            assert state.host is not None
+            state.arrays, state.host = _to_device(state.host), None
+            self._make_hot(state)
+        states = list(state.arrays or []) if state is not None else []
         n = hit.tokens
+        covered = sum(block.length for block in hit.blocks)
         cache: list[Any] = []
         for layer, window in enumerate(hit.windows):
+            if isinstance(window, Recurrent):
+                layer_state: Any = ArraysCache(window.arrays)
+                layer_state.cache, states = states[: window.arrays], states[window.arrays :]
+                if len(layer_state.cache) != window.arrays or any(a is None for a in layer_state.cache):
+                    raise ValueError("the hit's state snapshot does not fit the model's recurrent layers")
+                cache.append(layer_state)
+                continue
             first = 0 if window is None else max(0, n - window) // hit.block_tokens
             blocks = hit.blocks[first:]
             key_parts, value_parts = _pieces(blocks, 2 * layer), _pieces(blocks, 2 * layer + 1)
@@ -500,6 +648,8 @@ class PrefixCache:
                 cache.append(joined_layer(key_parts, value_parts, n))
                 continue
             keys, values = _joined(key_parts), _joined(value_parts)
+            if covered > n:  # a snapshot inside the last block: its positions up to the snapshot
+                keys, values = keys[..., : keys.shape[2] - (covered - n), :], values[..., : values.shape[2] - (covered - n), :]
             if window is None:
                 c: Any = KVCache()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
                 c.keys, c.values, c.offset = keys, values, n
@@ -509,19 +659,21 @@ class PrefixCache:
                 c.keys, c.values = keys[..., -held:, :], values[..., -held:, :]
                 c.offset, c._idx = n, held
             cache.append(c)
-        mx.eval([c.state for c in cache])
+        mx.eval([a for c in cache for a in (c.cache if isinstance(c, ArraysCache) else c.state) if a is not None])
         self.release(hit)
         self._evict()
         return cache
 
     def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, tail: bool = False,
               windows: Windows = (), ttl: float | None = None, session_id: str | None = None,
-              keys: BlockKeys | None = None) -> int:
+              keys: BlockKeys | None = None, state: StateReader | None = None) -> int:
         """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added.
 
         ``tail``: ``tokens`` end where a later request may continue (a prompt's end, a finished sequence),
         so keep the tokens after the last full block too, in memory, if the model's ``windows`` are all
         full layers. ``keys``: the sequence's key chain from its earlier stores (or its match), extended here.
+        ``state`` (a model with recurrent layers): reads their state after ``tokens``, kept as a snapshot there
+        (with the tail it needs, when ``tokens`` do not end on a block boundary).
         """
         b = self.config.block_tokens
         chain = keys if keys is not None and keys.namespace == namespace else BlockKeys(namespace, b)
@@ -539,12 +691,14 @@ class PrefixCache:
                 fresh.append((i, key, parent))
             parent = key
         added: list[Block] = []
+        skip = frozenset(j for i, w in enumerate(windows) if isinstance(w, Recurrent) for j in (2 * i, 2 * i + 1))
         for run in _runs(fresh, lambda a, b: a[0] + 1 == b[0]):
-            added += self._copied(run, slicer, namespace, expires, persist)
+            added += self._copied(run, slicer, namespace, expires, persist, skip)
         start = len(block_keys) * b
-        if tail and start < len(tokens) and _full_layers_only(windows):
+        position = block_keys[-1] if block_keys and start == len(tokens) else None  # the key ending at the end
+        if (tail or state is not None) and start < len(tokens) and _full_layers_only(windows):
             # Memory only: a tail is worth keeping for the next turn, not across a restart.
-            key = tail_key(parent or namespace, tokens[start:])
+            key = position = tail_key(parent or namespace, tokens[start:])
             with self._lock:
                 known = self._blocks.get(key)
                 if known is not None:
@@ -553,20 +707,27 @@ class PrefixCache:
                 arrays = [None if a is None else mx.contiguous(a) for a in slicer(start, len(tokens))]
                 added.append(Block(key, parent, namespace, _nbytes(arrays), expires, False, len(tokens) - start,
                                    arrays))
+        if state is not None and position is not None and recurrent(windows):
+            snapshot = self._snapshot(namespace, position, state, expires, persist and start == len(tokens),
+                                      (parent or namespace, len(tokens) - start) if start < len(tokens) else None)
+            if snapshot is not None:
+                added.append(snapshot)
         if added:
             mx.eval([a for block in added for a in block.arrays or [] if a is not None])
             for block in added:
                 self._make_hot(block)
                 if block.persist and self.disk is not None:
-                    self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or [], self.config.disk_kv_bits),
+                    bits = self.config.disk_kv_bits if block.length else None  # a state is kept as it is
+                    self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or [], bits),
                                     block.expires)
             with self._lock:
                 self.stats.stored_blocks += sum(1 for block in added if block.length == b)
-                self.stats.stored_tails += sum(1 for block in added if block.length < b)
+                self.stats.stored_tails += sum(1 for block in added if 0 < block.length < b)
+                self.stats.stored_states += sum(1 for block in added if block.length == 0)
         if session_id is not None:
             with self._lock:
-                state = self.sessions.get(session_id)
-                turns = state.turns + 1 if state is not None else 1
+                session = self.sessions.get(session_id)
+                turns = session.turns + 1 if session is not None else 1
                 last = block_keys[-1] if block_keys else None
                 self.sessions[session_id] = SessionState(namespace, last, len(tokens), time.time(), turns)
                 if len(self.sessions) > MAX_SESSIONS:  # forget the longest idle ones (their blocks stay)
@@ -575,16 +736,30 @@ class PrefixCache:
         self._evict()
         return len(added)
 
+    def _snapshot(self, namespace: bytes, position: bytes, state: StateReader, expires: float, persist: bool,
+                  anchor: tuple[bytes, int] | None) -> Block | None:
+        """A new state snapshot at the prefix keyed ``position`` (None: the cache has it already)."""
+        key = state_key(position)
+        with self._lock:
+            known = self._blocks.get(key)
+            if known is not None:
+                known.expires = max(known.expires, expires)
+                return None
+        if anchor is None and self.disk is not None and self.disk.has(key):
+            return None
+        arrays: list[mx.array | None] = [mx.contiguous(a) for a in state()]
+        return Block(key, position, namespace, _nbytes(arrays), expires, persist, 0, arrays, anchor=anchor)
+
     def _copied(self, run: list[tuple[int, bytes, bytes | None]], slicer: Slicer, namespace: bytes, expires: float,
-                persist: bool) -> list[Block]:
+                persist: bool, skip: frozenset[int] = frozenset()) -> list[Block]:
         """New blocks for consecutive block positions: views into one segment, or each its own copy where a
         layer lacks some of the positions (a sliding window moved past them) or keeps them quantized."""
         b = self.config.block_tokens
         first = run[0][0]
         whole = slicer(first * b, (run[-1][0] + 1) * b) if len(run) > 1 else []
-        if whole and all(a is not None and not is_packed(a) for a in whole):
+        if whole and all((a is None) == (i in skip) and (a is None or not is_packed(a)) for i, a in enumerate(whole)):
             blocks = [Block(key, parent, namespace, 0, expires, persist, b) for _, key, parent in run]
-            _share(blocks, [mx.contiguous(a) for a in whole if a is not None])
+            _share(blocks, [None if a is None else mx.contiguous(a) for a in whole])
             return blocks
         out = []
         for i, key, parent in run:
@@ -643,6 +818,7 @@ class PrefixCache:
                 "lookups": s.lookups, "hits": s.hits,
                 "hit_rate": round(s.reused_tokens / s.lookup_tokens, 4) if s.lookup_tokens else 0.0,
                 "reused_tokens": s.reused_tokens, "stored_blocks": s.stored_blocks, "stored_tails": s.stored_tails,
+                "stored_states": s.stored_states, "state_hits": s.state_hits,
                 "disk_reads": s.disk_reads,
                 "evictions": s.evictions, "expired": s.expired,
                 "blocks": {"hot": len(self._lru), "warm": 0},
@@ -672,10 +848,18 @@ class PrefixCache:
                 self.hot_bytes += block.nbytes
                 if block.segment is not None:
                     block.segment.live += 1
+                if block.anchor is not None:
+                    self._state_offsets.setdefault(block.anchor[0], set()).add(block.anchor[1])
 
     def _forget(self, block: Block) -> None:
         """Drop a block from memory (lock held)."""
         self._blocks.pop(block.key, None)
+        if block.anchor is not None:
+            offsets = self._state_offsets.get(block.anchor[0])
+            if offsets is not None:
+                offsets.discard(block.anchor[1])
+                if not offsets:
+                    del self._state_offsets[block.anchor[0]]
         if block.key in self._lru:
             del self._lru[block.key]
             self.hot_bytes -= self._released(block)
@@ -701,7 +885,8 @@ class PrefixCache:
                 run[0].segment = None
             else:
                 start, end = run[0].offset, run[-1].offset + run[-1].length
-                _share(run, [mx.contiguous(a[..., start:end, :]) for a in segment.arrays], live=len(run))
+                _share(run, [None if a is None else mx.contiguous(a[..., start:end, :]) for a in segment.arrays],
+                       live=len(run))
         mx.eval([a for o in survivors for a in o.arrays or [] if a is not None])
         freed, segment.stranded, segment.live, segment.members = segment.stranded, 0, 0, []
         return freed

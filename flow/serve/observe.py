@@ -325,7 +325,10 @@ def _attention_layers(model: ModelResource) -> dict[str, int] | None:
         return None
     windows = loaded.engine.windows
     if windows:
-        return {"global": sum(w is None for w in windows), "sliding_window": sum(w is not None for w in windows)}
+        counts = {"global": sum(w is None for w in windows), "sliding_window": sum(isinstance(w, int) for w in windows)}
+        if len(windows) > counts["global"] + counts["sliding_window"]:
+            counts["other"] = len(windows) - counts["global"] - counts["sliding_window"]  # recurrent layers
+        return counts
     config = loaded.config
     types = config.get("layer_types") or (config.get("text_config") or {}).get("layer_types")
     if isinstance(types, list) and types:

@@ -404,14 +404,15 @@ def test_reuse_stops_where_a_sliding_window_lacks_its_positions() -> None:
     assert usable_depth(blocks, (None, None), BLOCK) == 8  # no sliding layer: every block counts
 
 
-def test_recurrent_or_keep_caches_fall_back_and_say_so() -> None:
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+def test_keep_or_nested_caches_fall_back_and_say_so() -> None:
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    from runtime.prefix_cache import layer_windows
+    from runtime.prefix_cache import Recurrent, layer_windows
 
     assert layer_windows([KVCache(), RotatingKVCache(max_size=64)]) == (None, 64)
-    reason = layer_windows([KVCache(), ArraysCache(2)])
-    assert isinstance(reason, str) and "ArraysCache" in reason and "prefilled in full" in reason
+    assert layer_windows([KVCache(), ArraysCache(2)]) == (None, Recurrent(2))  # snapshots: test_prefix_hybrid.py
+    reason = layer_windows([KVCache(), CacheList(ArraysCache(2), KVCache())])
+    assert isinstance(reason, str) and "CacheList" in reason and "prefilled in full" in reason
     assert isinstance(layer_windows([RotatingKVCache(max_size=64, keep=4)]), str)
 
 

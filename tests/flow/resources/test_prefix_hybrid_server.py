@@ -1,0 +1,57 @@
+"""The prefix cache on hybrid models (recurrent layers as state snapshots) through the real server.
+
+For each tiny hybrid family: a hit gives the answer a cold prefill gives, token for token, for one request and
+for several at once, on the conversation's next turn, and after a restart from the disk tier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from runtime.engine import TURN_MARGIN
+from runtime.tiny import ensure_tiny_model
+from tests.flow.resources.test_prefix_server import BLOCK, SYSTEM, cached_server, prefix_stats, reusable
+
+HYBRIDS = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-granite4"]
+
+
+def ask(url: str, messages: list[Any], max_tokens: int = 12) -> tuple[dict[str, Any], str, int, int]:
+    """(the answer's message, its text, prompt tokens, cached prompt tokens)."""
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0)
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    cached = r.usage.prompt_tokens_details.cached_tokens or 0
+    message = r.choices[0].message.model_dump()
+    assert r.usage.completion_tokens > 0
+    return message, str(message), r.usage.prompt_tokens, cached
+
+
+@pytest.mark.parametrize("preset", HYBRIDS)
+def test_hybrid_hits_answer_as_cold_runs(preset: str, tmp_path: Path) -> None:
+    model = ensure_tiny_model(preset)
+    turn1: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]
+    with cached_server(model, tmp_path / "a") as server:
+        _, cold1, prompt1, cached = ask(server.url, turn1)
+        assert cached == 0
+        _, warm1, _, cached = ask(server.url, turn1)  # an exact repeat: the prompt end's snapshot
+        assert warm1 == cold1 and cached == reusable(prompt1)
+        turn2 = [*turn1, {"role": "assistant", "content": f"The lamp. {prompt1}"}, {"role": "user", "content": "And the ships?"}]
+        _, warm2, _, cached = ask(server.url, turn2)  # the next turn: from the turn point or deeper
+        assert cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK > 0
+        # Batched: several hits decoding together.
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            runs = list(pool.map(lambda m: ask(server.url, m), [turn1, turn2, turn1, turn2]))
+        assert [r[1] for r in runs] == [cold1, warm2, cold1, warm2] and all(r[3] > 0 for r in runs)
+        stats = prefix_stats(server)
+        assert stats["state_hits"] >= 6 and stats["stored_states"] > 0 and stats["referenced_blocks"] == 0
+    with cached_server(model, tmp_path / "b") as fresh:  # the next turn cold, on a server that never saw turn 1
+        _, cold2, _, cached = ask(fresh.url, turn2)
+        assert cached == 0 and cold2 == warm2
+    with cached_server(model, tmp_path / "a") as restarted:  # the disk tier: snapshots on block boundaries
+        _, again, _, cached = ask(restarted.url, turn1)
+        assert again == cold1 and cached % BLOCK == 0 and cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK

@@ -1,0 +1,155 @@
+"""The prefix cache on hybrid models: attention layers as blocks, recurrent layers as state snapshots.
+
+Every run is compared with mlx-lm's own generate loop on the whole prompt (no cache): a hit restored from blocks
+and a snapshot must give the same greedy tokens as a cold prefill, token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from protocols.ir import CachePolicy
+from runtime.engine import TURN_MARGIN
+from runtime.engine_config import SpeculativeConfig
+from runtime.prefix_cache import PrefixCache, PrefixConfig, Recurrent, layer_windows
+from tests.runtime.test_engine import GREEDY, Loaded, collect
+from tests.runtime.test_prefix_cache import (BLOCK, Rig, conversation, device, disk_cache, load,  # noqa: F401
+                                             rig, rigs)
+
+HYBRIDS = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-granite4"]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest, device: Any) -> Loaded:  # noqa: F811
+    return load(device, request.param)
+
+
+def test_recurrent_layers_are_snapshotted_not_refused(hybrid: Loaded) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    windows = layer_windows(make_prompt_cache(hybrid.model))
+    assert not isinstance(windows, str)
+    assert any(isinstance(w, Recurrent) for w in windows) and None in windows
+
+
+async def test_repeat_next_turn_and_shared_system_prompt_are_exact(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
+    r = rig(rigs, hybrid)
+    assert r.engine.prefix is not None
+    first = conversation(hybrid, "Where is the lamp?")
+    answer, cached = await r.run(first, 16)
+    assert cached == 0
+    # An exact repeat: the snapshot at the prompt's end (all but its last token).
+    _, cached = await r.run(first, 16)
+    assert cached == len(first) - 1
+    # The next turn renders the earlier prompt's last tokens otherwise: it resumes from the snapshot at the turn
+    # point (the last block boundary TURN_MARGIN tokens or more before the earlier prompt's end), or deeper.
+    follow = conversation(hybrid, "Where is the lamp?", hybrid.tokenizer.decode(answer), "And the keeper?")
+    _, cached = await r.run(follow, 16)
+    assert cached >= (len(first) - 1 - TURN_MARGIN) // BLOCK * BLOCK, (cached, len(first))
+    stats = r.cache.stats_json()
+    assert stats["stored_states"] > 0 and stats["state_hits"] == 2
+
+
+async def test_chunk_end_snapshots_serve_a_shared_system_prompt(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
+    """Small prefill chunks end on block boundaries: another session with the system prompt resumes from the
+    deepest chunk end its prompt shares."""
+    r = rig(rigs, hybrid, prefill_chunk=3 * BLOCK)
+    first = conversation(hybrid, "Where is the lamp?")
+    await r.run(first)
+    other = conversation(hybrid, "Tell me about boats.")
+    common = next(i for i, (a, b) in enumerate(zip(first, other)) if a != b)
+    _, cached = await r.run(other)
+    assert 0 < cached <= common and cached % BLOCK == 0 and common - cached < 3 * BLOCK + BLOCK
+
+
+async def test_batched_hits_are_exact(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
+    r = rig(rigs, hybrid, max_batch=8)
+    prompts = [conversation(hybrid, q) for q in ("Where is the lamp?", "Tell me about boats.", "Is it late?")]
+    for prompt in prompts:
+        await r.run(prompt, 8)
+    cached: list[int] = [0] * (2 * len(prompts))
+
+    async def one(i: int) -> None:
+        _, cached[i] = await r.run(prompts[i % len(prompts)], 10)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(cached)):
+            nursery.start_soon(one, i)
+    assert all(c > 0 for c in cached)
+
+
+async def test_speculative_rollback_with_hits_is_exact(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
+    r = rig(rigs, hybrid, speculative=SpeculativeConfig(kind="ngram", max_draft=4))
+    prompt = conversation(hybrid, "Repeat: the lamp, the lamp, the lamp, the lamp.")
+    await r.run(prompt, 24)
+    _, cached = await r.run(prompt, 24)
+    assert cached == len(prompt) - 1
+
+
+async def test_block_boundary_snapshots_survive_a_restart(hybrid: Loaded, rigs: list[Rig], tmp_path: Path
+                                                          ) -> None:  # noqa: F811
+    prompt = conversation(hybrid, "Where is the lamp?")
+    cache = disk_cache(tmp_path)
+    await rig(rigs, hybrid, cache, prefill_chunk=2 * BLOCK).run(prompt)
+    assert cache.disk is not None
+    cache.disk.close()
+    second = disk_cache(tmp_path)  # a new process: memory empty, the disk tier kept
+    _, cached = await rig(rigs, hybrid, second).run(prompt)
+    # The deepest snapshot on a block boundary: the turn point (chunk ends past the first MAX_CHUNK_STATES aside).
+    assert cached == (len(prompt) - 1 - TURN_MARGIN) // BLOCK * BLOCK
+    assert second.stats.state_hits == 1 and second.stats.disk_reads == (len(prompt) - 1) // BLOCK + 1  # the blocks walked, one snapshot
+    assert second.disk is not None
+    second.disk.close()
+
+
+async def test_damaged_snapshots_on_disk_are_never_served(hybrid: Loaded, rigs: list[Rig], tmp_path: Path
+                                                          ) -> None:  # noqa: F811
+    prompt = conversation(hybrid, "Where is the lamp?")
+    cache = disk_cache(tmp_path)
+    await rig(rigs, hybrid, cache, prefill_chunk=2 * BLOCK).run(prompt)
+    assert cache.disk is not None
+    cache.disk.close()
+    files = sorted((tmp_path / "blocks").rglob("*.safetensors"))
+    states = [f for f in files if f.stat().st_size < min(g.stat().st_size for g in files) * 100
+              and "state" not in f.name]
+    assert states
+    for path in files:  # damage every file: whatever the match tries, it must refuse and prefill cold
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    second = disk_cache(tmp_path)
+    _, cached = await rig(rigs, hybrid, second).run(prompt)
+    assert cached == 0 and second.disk is not None and second.disk.stats()["corrupt"] > 0
+    second.disk.close()
+
+
+async def test_a_cancelled_prefill_keeps_its_chunks(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
+    """A client that leaves during a long prefill: its retry resumes from the last chunk it finished."""
+    r = rig(rigs, hybrid, prefill_chunk=2 * BLOCK)
+    prompt = conversation(hybrid, "Where is the lamp?", system="The keeper watches the lamp all night. " * 12)
+    handle = r.engine.submit(prompt, max_tokens=4, stop_ids=hybrid.eos, sampling=GREEDY)
+    while r.engine.stats.prefill_chunks < 3:
+        await trio.sleep(0.005)
+    handle.cancel()
+    async with handle:
+        pass
+    await trio.sleep(0.05)
+    _, cached = await r.run(prompt)
+    assert cached >= 2 * BLOCK and cached % BLOCK == 0
+
+
+def test_snapshot_keys_differ_by_namespace(hybrid: Loaded) -> None:
+    from runtime.prefix_cache import namespace_of, state_key
+
+    assert state_key(namespace_of("a")) != state_key(namespace_of("b"))
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+    hit = cache.match(namespace_of("x"), list(range(40)), (None, Recurrent(2)))
+    assert not hit.blocks and hit.state is None
+
+
+_ = CachePolicy
