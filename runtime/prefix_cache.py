@@ -204,6 +204,7 @@ class PrefixStats:
     stored_blocks: int = 0
     stored_tails: int = 0  # partial blocks: the ends of sequences, memory only
     stored_states: int = 0  # recurrent layers' state snapshots
+    stored_state_bytes: int = 0  # their bytes
     state_hits: int = 0  # hits restored from a state snapshot
     evictions: int = 0  # hot blocks pushed out of memory (to disk, or gone)
     expired: int = 0
@@ -724,6 +725,7 @@ class PrefixCache:
                 self.stats.stored_blocks += sum(1 for block in added if block.length == b)
                 self.stats.stored_tails += sum(1 for block in added if 0 < block.length < b)
                 self.stats.stored_states += sum(1 for block in added if block.length == 0)
+                self.stats.stored_state_bytes += sum(block.nbytes for block in added if block.length == 0)
         if session_id is not None:
             with self._lock:
                 session = self.sessions.get(session_id)
@@ -818,7 +820,8 @@ class PrefixCache:
                 "lookups": s.lookups, "hits": s.hits,
                 "hit_rate": round(s.reused_tokens / s.lookup_tokens, 4) if s.lookup_tokens else 0.0,
                 "reused_tokens": s.reused_tokens, "stored_blocks": s.stored_blocks, "stored_tails": s.stored_tails,
-                "stored_states": s.stored_states, "state_hits": s.state_hits,
+                "stored_states": s.stored_states, "stored_state_bytes": s.stored_state_bytes,
+                "state_hits": s.state_hits,
                 "disk_reads": s.disk_reads,
                 "evictions": s.evictions, "expired": s.expired,
                 "blocks": {"hot": len(self._lru), "warm": 0},

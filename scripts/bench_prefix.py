@@ -19,6 +19,11 @@ Systems, all in subprocesses on the same model:
   directory), then restarted over the same directory to resume the conversation;
 * **mlx_lm.server**: with its own prompt cache, same requests.
 
+On a hybrid model (``--model tiny:bench-qwen3.5``: recurrent layers kept as state snapshots) each turn also
+reports the snapshot bytes and the KV bytes it added to the cache. ``--second-turn-rounds N`` measures, apart
+from the conversation, N fresh two-turn conversations (each under its own system prompt): the second turn's TTFT
+cold and from the cache, side by side, the order alternating from round to round, and their medians.
+
 Figures: TTFT per turn for each system and cold/cached ratios; a second session
 with the same system prompt (its first turn's TTFT cold against cached, and the
 KV bytes it adds to the cache against the bytes of its own suffix); the turn
@@ -150,8 +155,14 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
         row["cached_ms"] = round(seconds * 1000, 1)
         if mlx is not None:
             row["mlx_lm_ms"] = round(mlx.ttft(history) * 1000, 1)
+        before = cached.prefix_stats()
         _, answer = chat(cached.url, cached.model, history, args.answer_tokens)
+        after = cached.prefix_stats()
         row["prompt_tokens"] = answer["usage"]["prompt_tokens"]
+        row["added_bytes"] = after["hot_bytes"] - before["hot_bytes"]
+        if after.get("stored_states"):
+            row["snapshots"] = after["stored_states"] - before["stored_states"]
+            row["snapshot_bytes"] = after["stored_state_bytes"] - before["stored_state_bytes"]
         row["speedup"] = round(row["cold_ms"] / row["cached_ms"], 1)
         history.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
         turns.append(row)
@@ -191,19 +202,54 @@ def run(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
     if mlx is not None:
         peaks["mlx_lm.server"] = mlx.stop()
     later = [t["speedup"] for t in turns[1:]]
+    second_turns = second_turn_rounds(args, model_dir, tmp) if args.second_turn_rounds else None
     return {"turns": turns, "second_session": second, "restart": restart, "peak_rss_mb": peaks,
+            "second_turn": second_turns,
             "min_speedup_after_first_turn": min(later) if later else None,
             "median_speedup_after_first_turn": statistics.median(later) if later else None}
+
+
+def second_turn_rounds(args: argparse.Namespace, model_dir: Path, tmp: Path) -> dict[str, Any]:
+    """Fresh two-turn conversations: the second turn's TTFT cold and cached, side by side, alternating which goes
+    first; medians over the rounds."""
+    cached = Server("flow-cached", model_dir, tmp, tmp / "kv-rounds", args.block_tokens)
+    cold = Server("flow-cold", model_dir, tmp, tmp / "kv-rounds")
+    rounds: list[dict[str, Any]] = []
+    for i in range(args.second_turn_rounds):
+        system = f"Session {i}. " + system_prompt(args.system_tokens, model_dir)  # its own: no earlier round's blocks
+        history = [{"role": "system", "content": system}, {"role": "user", "content": f"Round {i}: check the lamp."}]
+        _, answer = chat(cached.url, cached.model, history, args.answer_tokens)  # turn 1, on the cached server
+        history += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"] or "The lamp."},
+                    {"role": "user", "content": "And now the fog: what next?"}]
+        row: dict[str, Any] = {"round": i + 1}
+        first, second = (cold, cached) if i % 2 == 0 else (cached, cold)
+        for server in (first, second):
+            seconds, hit = server.probe(history)
+            key = "cold" if server is cold else "cached"
+            row[f"{key}_ms"], row[f"{key}_tokens_from_cache"] = round(seconds * 1000, 1), hit
+        rounds.append(row)
+        print(json.dumps({"second_turn": row}), file=sys.stderr)
+    stats = cached.prefix_stats()
+    cached.stop()
+    cold.stop()
+    cold_ms = statistics.median(r["cold_ms"] for r in rounds)
+    cached_ms = statistics.median(r["cached_ms"] for r in rounds)
+    return {"rounds": rounds, "median_cold_ms": cold_ms, "median_cached_ms": cached_ms,
+            "speedup": round(cold_ms / cached_ms, 1), "state_hits": stats.get("state_hits"),
+            "stored_states": stats.get("stored_states"), "stored_state_bytes": stats.get("stored_state_bytes")}
 
 
 def markdown(result: dict[str, Any]) -> str:
     mlx = "mlx_lm_ms" in result["turns"][0]
     head = "| turn | prompt tokens | read from cache | flow cold TTFT | flow cached TTFT | cold / cached |" + (
         " mlx_lm.server TTFT |" if mlx else "")
-    lines = [head, "|" + "---|" * (7 if mlx else 6)]
+    snapshots = "snapshot_bytes" in result["turns"][0]
+    head += " snapshot bytes added |" if snapshots else ""
+    lines = [head, "|" + "---|" * (6 + mlx + snapshots)]
     for t in result["turns"]:
         lines.append(f"| {t['turn']} | {t['prompt_tokens']} | {t['cached_tokens']} | {t['cold_ms']:.0f} ms | "
-                     f"{t['cached_ms']:.0f} ms | {t['speedup']}× |" + (f" {t['mlx_lm_ms']:.0f} ms |" if mlx else ""))
+                     f"{t['cached_ms']:.0f} ms | {t['speedup']}× |" + (f" {t['mlx_lm_ms']:.0f} ms |" if mlx else "")
+                     + (f" {t['snapshot_bytes']} ({t['snapshots']}) |" if snapshots else ""))
     s, r = result["second_session"], result["restart"]
     lines += ["", f"Second session, same system prompt: {s['cold_ms']:.0f} ms cold, {s['cached_ms']:.0f} ms cached "
               f"({s['speedup']}×); it shares {s['shared_tokens']} tokens and adds {s['added_kv_bytes']} KV bytes "
@@ -211,6 +257,13 @@ def markdown(result: dict[str, Any]) -> str:
               f"{s['added_over_suffix']}×.",
               f"After a restart: {r['cold_ms']:.0f} ms cold, {r['resumed_ms']:.0f} ms resumed from disk "
               f"({r['speedup']}×, {r['disk_reads']} blocks read)."]
+    rounds = result.get("second_turn")
+    if rounds:
+        lines += ["", "| round | second turn cold | from cache | tokens from cache |", "|---|---|---|---|"]
+        lines += [f"| {r['round']} | {r['cold_ms']:.0f} ms | {r['cached_ms']:.0f} ms | {r['cached_tokens_from_cache']} |"
+                  for r in rounds["rounds"]]
+        lines.append(f"| median | {rounds['median_cold_ms']:.0f} ms | {rounds['median_cached_ms']:.0f} ms | "
+                     f"{rounds['speedup']}× |")
     return "\n".join(lines)
 
 
@@ -222,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-tokens", type=int, default=48)
     parser.add_argument("--block-tokens", type=int, help="the prefix cache's block size (default: the graph's)")
     parser.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false", help="skip mlx_lm.server")
+    parser.add_argument("--second-turn-rounds", type=int, default=0,
+                        help="also time this many fresh conversations' second turn, cold against cached")
     parser.add_argument("--json", help="also write the full result here")
     args = parser.parse_args(argv)
 

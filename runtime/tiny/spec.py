@@ -180,6 +180,10 @@ PRESETS: dict[str, TinySpec] = {
                           intermediate_size=1024, vocab_size=4096, vision=VisionSpec(
                               hidden_size=768, num_layers=6, num_heads=12, intermediate_size=3072, image_size=224,
                               patch_size=14, tokens_per_image=64)),
+    # A hybrid of ~35M parameters (gated-delta and attention layers alternating, float32): the prefix cache's
+    # state snapshots measured where a prefill costs real time (scripts/bench_prefix.py).
+    "bench-qwen3.5": TinySpec(arch="qwen3_5", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
+                              intermediate_size=1536, vocab_size=8192, max_position_embeddings=32768),
     # ~88M parameters (untied lm_head): big enough that decode speed means something.
     "bench-80m": TinySpec(
         arch="qwen3",
