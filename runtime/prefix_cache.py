@@ -313,7 +313,9 @@ def _host(a: mx.array) -> np.ndarray:
 
 
 def _device(a: np.ndarray, dtype: str) -> mx.array:
-    return mx.array(a).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(a)
+    """A host array back on the device: bfloat16 ones were stored as uint16 (a snapshot may mix dtypes: a
+    bfloat16 convolution window beside a float32 recurrent state)."""
+    return mx.array(a).view(mx.bfloat16) if dtype == "bfloat16" and a.dtype == np.uint16 else mx.array(a)
 
 
 def quantization_group(head_dim: int) -> int | None:

@@ -153,3 +153,32 @@ def test_snapshot_keys_differ_by_namespace(hybrid: Loaded) -> None:
 
 
 _ = CachePolicy
+
+
+def test_a_snapshot_of_mixed_dtypes_round_trips_through_disk(tmp_path: Path) -> None:
+    """A bfloat16 model's gated-delta layer keeps its convolution window in bfloat16 and its recurrent state in
+    float32: both come back from disk as they were."""
+    import mlx.core as mx
+
+    from runtime.kv_disk import DiskTier
+    from runtime.prefix_cache import namespace_of
+
+    windows = (None, Recurrent(2))
+    tokens = list(range(2 * BLOCK))
+    keys = mx.random.normal((1, 2, 2 * BLOCK, 4)).astype(mx.bfloat16)
+    conv = mx.random.normal((1, 3, 8)).astype(mx.bfloat16)
+    state = mx.random.normal((1, 2, 4, 4))
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK), DiskTier(tmp_path, 1 << 30))
+    cache.store(namespace_of("m"), tokens, lambda a, b: [keys[..., a:b, :], keys[..., a:b, :], None, None],
+                windows=windows, state=lambda: [conv, state])
+    assert cache.disk is not None
+    cache.disk.close()
+    again = PrefixCache(PrefixConfig(block_tokens=BLOCK), DiskTier(tmp_path, 1 << 30))
+    hit = again.match(namespace_of("m"), [*tokens, 7], windows)
+    assert hit.tokens == 2 * BLOCK and hit.state is not None
+    built = again.build(hit)
+    assert built[1].cache[0].dtype == mx.bfloat16 and built[1].cache[1].dtype == mx.float32
+    assert mx.array_equal(built[1].cache[0], conv) and mx.array_equal(built[1].cache[1], state)
+    assert mx.array_equal(built[0].keys, keys)
+    assert again.disk is not None
+    again.disk.close()
