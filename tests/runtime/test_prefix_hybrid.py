@@ -182,3 +182,17 @@ def test_a_snapshot_of_mixed_dtypes_round_trips_through_disk(tmp_path: Path) -> 
     assert mx.array_equal(built[0].keys, keys)
     assert again.disk is not None
     again.disk.close()
+
+
+async def test_several_choices_from_one_hit_are_exact(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
+    """``n > 1``: the choices join the batch with copies of the first one's cache, restored from a snapshot."""
+    r = rig(rigs, hybrid)
+    prompt = conversation(hybrid, "Where is the lamp?")
+    await r.run(prompt)
+    hit = await r.engine.match_prefix(prompt)
+    assert hit is not None and hit.tokens == len(prompt) - 1
+    handles = r.engine.submit_choices(prompt, [(GREEDY, None)] * 3, max_tokens=10, stop_ids=hybrid.eos,
+                                      prefix=hit)
+    expected = hybrid.reference(prompt, 10)
+    for handle in handles:
+        assert (await collect(handle)).tokens == expected
