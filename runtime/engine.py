@@ -54,6 +54,12 @@ prompt's blocks after every prefill chunk (so a concurrent request can reuse a
 prompt still being read, and sliding-window layers still hold the positions)
 and, for ``cache_mode = "full"``, the prompt's and answer's blocks when a
 sequence finishes (read from its batch row before the row is dropped).
+On a hybrid model it also hands over the recurrent layers' states as snapshots
+(:mod:`runtime.prefix_cache`): at the prompt's end and the finish, at its
+*turn point* (the last block boundary ``TURN_MARGIN`` tokens or more before the
+prompt's end, where the conversation's next turn still agrees with it) and at up
+to ``MAX_CHUNK_STATES`` chunk ends; its prefill chunks end on block boundaries
+and at the turn point so that the states exist there.
 
 The decoded tokens of a step go to trio in **one** ``run_sync_soon`` crossing
 per trio run, before any prefill work of the step (a sequence that fails in
