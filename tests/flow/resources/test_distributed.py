@@ -331,7 +331,7 @@ async def test_a_lost_group_never_waits_for_its_device_thread(tiny_llama: Path,
     import trio
     from mlx_lm.utils import load
 
-    from flow.resources import cluster
+    from flow.resources import cluster as cluster_module
     from flow.resources.cluster import Cluster, Placement
     from protocols.ir import SamplingParams
     from runtime.device import DeviceLost, DeviceThread
