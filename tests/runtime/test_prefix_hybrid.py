@@ -196,3 +196,31 @@ async def test_several_choices_from_one_hit_are_exact(hybrid: Loaded, rigs: list
     expected = hybrid.reference(prompt, 10)
     for handle in handles:
         assert (await collect(handle)).tokens == expected
+
+
+async def test_mtp_speculation_from_a_snapshot_hit_is_exact(device: Any) -> None:  # noqa: F811
+    """Qwen3.5's own MTP layers draft from a hit: their context starts where the hit ends; the output stays."""
+    from runtime.engine import Engine
+    from runtime.engine_config import EngineConfig
+    from runtime.mtp import load_mtp_drafter
+    from runtime.prefix_cache import namespace_of
+    from runtime.tiny import ensure_tiny_model
+
+    loaded = load(device, "tiny-qwen3.5-mtp")
+    path = ensure_tiny_model("tiny-qwen3.5-mtp")
+    drafter = device.call(lambda: load_mtp_drafter(path, loaded.model))
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+    engine = Engine(loaded.model, device, EngineConfig(speculative=SpeculativeConfig(kind="mtp", max_draft=4)),
+                    cache, namespace_of("mtp"), draft_model=drafter)
+    try:
+        prompt = conversation(loaded, "Where is the lamp?")
+        expected = loaded.reference(prompt, 16)
+        for round in range(2):
+            hit = await engine.match_prefix(prompt)
+            assert (hit is not None) == (round == 1)
+            handle = engine.submit(prompt, max_tokens=16, stop_ids=loaded.eos, sampling=GREEDY, prefix=hit)
+            assert (await collect(handle)).tokens == expected
+        assert engine.stats.speculative_steps > 0
+    finally:
+        engine.close()
+    assert cache.referenced() == 0
