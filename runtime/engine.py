@@ -129,7 +129,7 @@ from runtime.model_memory import kv_bytes_per_token
 from runtime.mtp import MTPDrafter, MTPDraftState
 from runtime.pass_cost import PassCost
 from runtime.prefix_cache import (MAX_CHUNK_STATES, BlockKeys, PrefixCache, PrefixHit, Slicer, StateReader,
-                                  layer_windows, recurrent)
+                                  layer_windows, recurrent, state_key)
 from runtime.recurrent_rollback import RecurrentRollback
 from runtime.replication import GroupLost, NewSequence, ReplicaDiverged, Replicator, StepMessage
 from runtime.sampling import LogprobReport, SequenceSampler, sample_batch
@@ -186,6 +186,7 @@ class _Sequence:
     cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
     prefilled: int = 0  # prompt tokens in ``cache`` (or in ``hit``)
     chunk_states: int = 0  # recurrent-state snapshots it stored at prefill-chunk ends
+    rolling_state: bytes | None = None  # past that bound: the key of its deepest chunk-end snapshot
     fed: list[int] = field(default_factory=list)  # generated tokens that went back in as inputs
     fresh: bool = False  # in the batch, and its input this step is its first token (already handed out)
     generated: int = 0
@@ -1447,24 +1448,29 @@ class Engine:
         """Give the prefix cache the blocks it lacks of ``tokens``: prompt and answer when the sequence has
         finished, else its prefilled prompt. A session's turn is its last store (its finish, or its prompt in
         ``prefix`` mode). ``state`` reads a hybrid model's recurrent states there: a snapshot at the prompt's
-        end and the finish, and at up to ``MAX_CHUNK_STATES`` prefill-chunk ends."""
+        end, its turn point and the finish, at its first ``MAX_CHUNK_STATES - 1`` prefill-chunk ends, and at its
+        deepest one (each later chunk end's snapshot replaces the one before: a retry resumes from it)."""
         if self.prefix is None:
             return
         last = tokens is not None or seq.policy.mode == "prefix"
         ends = tokens is not None or seq.prefilled >= len(seq.prompt) - 1  # the prompt's end, or the finish
         if not self._snapshots:
             state = None
-        elif not ends and state is not None and seq.prefilled != self._turn_point(seq):
-            if seq.chunk_states >= MAX_CHUNK_STATES:
-                state = None
-            else:
-                seq.chunk_states += 1
+        rolling = False
+        if state is not None and not ends and seq.prefilled != self._turn_point(seq):
+            seq.chunk_states += 1
+            rolling = seq.chunk_states >= MAX_CHUNK_STATES
         if seq.keys is None:
             seq.keys = BlockKeys(seq.namespace, self.prefix.config.block_tokens)
         try:
             self.prefix.store(seq.namespace, tokens if tokens is not None else seq.keyed[: seq.prefilled], slicer,
                               tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
                               session_id=seq.policy.session_id if last else None, keys=seq.keys, state=state)
+            b = self.prefix.config.block_tokens
+            if rolling and seq.prefilled % b == 0 and len(seq.keys.keys) >= seq.prefilled // b > 0:
+                if seq.rolling_state is not None:
+                    self.prefix.forget_state(seq.rolling_state)
+                seq.rolling_state = state_key(seq.keys.keys[seq.prefilled // b - 1])
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")
 

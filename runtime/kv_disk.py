@@ -224,6 +224,12 @@ class DiskTier:
             self.read_hits += 1
         return HostBlock(arrays, entry.dtype)
 
+    def delete(self, key: bytes) -> None:
+        """Delete a block (one the cache no longer wants: a snapshot superseded by a deeper one)."""
+        with self._lock:
+            self._forget(key)
+        self._queue.put(("delete", key))
+
     def sweep(self) -> int:
         """Delete expired blocks; how many."""
         now = time.time()

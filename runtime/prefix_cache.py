@@ -783,6 +783,17 @@ class PrefixCache:
             self.disk.sweep()
         return len(gone)
 
+    def forget_state(self, key: bytes) -> None:
+        """Drop a state snapshot, from memory and disk, unless a match holds it (a sequence's previous deepest
+        chunk-end snapshot, superseded by its next one)."""
+        with self._lock:
+            state = self._blocks.get(key)
+            if state is None or state.refs or state.length:
+                return
+            self._forget(state)
+        if self.disk is not None:
+            self.disk.delete(key)
+
     def clear(self) -> None:
         """Drop every unreferenced block from memory (the disk tier keeps its copies)."""
         with self._lock:

@@ -16,7 +16,7 @@ import trio
 from protocols.ir import CachePolicy
 from runtime.engine import TURN_MARGIN
 from runtime.engine_config import SpeculativeConfig
-from runtime.prefix_cache import PrefixCache, PrefixConfig, Recurrent, layer_windows
+from runtime.prefix_cache import MAX_CHUNK_STATES, PrefixCache, PrefixConfig, Recurrent, layer_windows
 from tests.runtime.test_engine import GREEDY, Loaded, collect
 from tests.runtime.test_prefix_cache import (BLOCK, Rig, conversation, device, disk_cache, load,  # noqa: F401
                                              rig, rigs)
@@ -100,8 +100,8 @@ async def test_block_boundary_snapshots_survive_a_restart(hybrid: Loaded, rigs: 
     cache.disk.close()
     second = disk_cache(tmp_path)  # a new process: memory empty, the disk tier kept
     _, cached = await rig(rigs, hybrid, second).run(prompt)
-    # The deepest snapshot on a block boundary: the turn point (chunk ends past the first MAX_CHUNK_STATES aside).
-    assert cached == (len(prompt) - 1 - TURN_MARGIN) // BLOCK * BLOCK
+    # The deepest snapshot on a block boundary: the last chunk end (the deepest one is always kept).
+    assert cached == (len(prompt) - 1) // BLOCK * BLOCK > (len(prompt) - 1 - TURN_MARGIN) // BLOCK * BLOCK
     assert second.stats.state_hits == 1 and second.stats.disk_reads == (len(prompt) - 1) // BLOCK + 1  # the blocks walked, one snapshot
     assert second.disk is not None
     second.disk.close()
@@ -131,16 +131,18 @@ async def test_damaged_snapshots_on_disk_are_never_served(hybrid: Loaded, rigs: 
 async def test_a_cancelled_prefill_keeps_its_chunks(hybrid: Loaded, rigs: list[Rig]) -> None:  # noqa: F811
     """A client that leaves during a long prefill: its retry resumes from the last chunk it finished."""
     r = rig(rigs, hybrid, prefill_chunk=2 * BLOCK)
-    prompt = conversation(hybrid, "Where is the lamp?", system="The keeper watches the lamp all night. " * 12)
+    prompt = conversation(hybrid, "Where is the lamp?", system="The keeper watches the lamp all night. " * 40)
     handle = r.engine.submit(prompt, max_tokens=4, stop_ids=hybrid.eos, sampling=GREEDY)
-    while r.engine.stats.prefill_chunks < 3:
+    while r.engine.stats.prefill_chunks < 12:  # past MAX_CHUNK_STATES: the deepest chunk end is kept
         await trio.sleep(0.005)
     handle.cancel()
     async with handle:
         pass
     await trio.sleep(0.05)
+    held = sum(1 for block in r.cache._blocks.values() if block.length == 0)
+    assert held == MAX_CHUNK_STATES < r.cache.stats.stored_states  # the first 7, and the deepest in place of the rest
     _, cached = await r.run(prompt)
-    assert cached >= 2 * BLOCK and cached % BLOCK == 0
+    assert cached >= 12 * 2 * BLOCK and cached % BLOCK == 0
 
 
 def test_snapshot_keys_differ_by_namespace(hybrid: Loaded) -> None:
