@@ -10,6 +10,7 @@ import concurrent.futures
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -47,7 +48,21 @@ def test_hybrid_hits_answer_as_cold_runs(preset: str, tmp_path: Path) -> None:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             runs = list(pool.map(lambda m: ask(server.url, m), [turn1, turn2, turn1, turn2]))
         assert [r[1] for r in runs] == [cold1, warm2, cold1, warm2] and all(r[3] > 0 for r in runs)
+        # The other protocols, with a session: the same cache, the same exactness.
+        claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+        asked: Any = {"model": "tiny", "max_tokens": 8, "system": SYSTEM, "extra_body": {"temperature": 0},
+                      "messages": [{"role": "user", "content": "How are the ships tonight?"}]}
+        a1, a2 = claude.messages.create(**asked), claude.messages.create(**asked)
+        assert [b.model_dump() for b in a1.content] == [b.model_dump() for b in a2.content]
+        assert a2.usage.cache_read_input_tokens == reusable(a2.usage.input_tokens + a2.usage.cache_read_input_tokens)
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        kwargs: Any = {"model": "tiny", "instructions": SYSTEM, "input": "Is the weather turning?", "temperature": 0,
+                       "max_output_tokens": 8, "extra_body": {"session_id": "hybrid-session"}}
+        r1, r2 = client.responses.create(**kwargs), client.responses.create(**kwargs)
+        assert r2.usage is not None and r2.output_text == r1.output_text
+        assert r2.usage.input_tokens_details.cached_tokens == reusable(r2.usage.input_tokens)
         stats = prefix_stats(server)
+        assert stats["recent_sessions"]["hybrid-session"]["turns"] == 2
         assert stats["state_hits"] >= 6 and stats["stored_states"] > 0 and stats["referenced_blocks"] == 0
     with cached_server(model, tmp_path / "b") as fresh:  # the next turn cold, on a server that never saw turn 1
         _, cold2, _, cached = ask(fresh.url, turn2)
