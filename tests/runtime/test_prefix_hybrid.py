@@ -226,3 +226,23 @@ async def test_mtp_speculation_from_a_snapshot_hit_is_exact(device: Any) -> None
     finally:
         engine.close()
     assert cache.referenced() == 0
+
+
+async def test_prefix_mode_and_memory_only_ttl(hybrid: Loaded, rigs: list[Rig], tmp_path: Path) -> None:  # noqa: F811
+    """``cache_mode = "prefix"`` keeps the prompt's snapshots, not the answer's; ``ttl = 0`` keeps them in memory only."""
+    cache = disk_cache(tmp_path)
+    assert cache.disk is not None
+    r = rig(rigs, hybrid, cache, prefill_chunk=2 * BLOCK)
+    prompt = conversation(hybrid, "Describe the harbour at night, slowly.")
+    memory_only = CachePolicy(mode="prefix", ttl_seconds=0)
+    await r.run(prompt, 20, memory_only)
+    cache.disk.flush()
+    assert cache.disk.stats()["written"] == 0
+    states = cache.stats.stored_states
+    _, cached = await r.run(prompt, 20, memory_only)
+    assert cached == len(prompt) - 1 and cache.stats.stored_states == states  # nothing new: no answer's snapshot
+    await r.run(prompt, 20, CachePolicy(mode="full"))
+    assert cache.stats.stored_states == states + 1  # the finish's
+    cache.disk.flush()
+    assert cache.disk.stats()["written"] > 0  # the default ttl: the answer's full blocks go to disk
+    cache.disk.close()
