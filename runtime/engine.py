@@ -781,12 +781,13 @@ class Engine:
                 raise ReplicaDiverged("rank 0 reused prefix-cache blocks, this rank has no prefix cache")
             hit = self.prefix.match(self.namespace, new.prompt, self.windows)
             kept = 0
-            for i, block in enumerate(hit.blocks):
+            for i, block in enumerate(hit.blocks if hit.state is None else ()):  # a snapshot's depth is exact
                 if kept + block.length > new.cached:
                     self.prefix.release(PrefixHit(hit.namespace, hit.windows, hit.blocks[i:], hit.block_tokens))
                     hit.blocks = hit.blocks[:i]
                     break
                 kept += block.length
+            kept = hit.tokens
             if hit.tokens != new.cached:
                 self.prefix.release(hit)
                 raise ReplicaDiverged(f"rank 0 reused {new.cached} cached prompt tokens, this rank's prefix cache "
