@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,3 +40,24 @@ def qwen3_server(tiny_qwen3: Path) -> Iterator[RunningServer]:
 def llama_server(tiny_llama: Path) -> Iterator[RunningServer]:
     with running_server(graph_with_model(tiny_llama, name="tiny-llama")) as server:
         yield server
+
+
+_exit_status = 0
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The test process ends without the interpreter's teardown, as ``flow`` does (``flow.cli.main.run``): the
+    threads that ran MLX (the embedded servers' device threads) keep thread-local MLX state whose teardown can
+    abort a finished run ("terminate called without an active exception", exit 134 after every test passed).
+    By now every fixture is closed and the summary printed; only that teardown is skipped."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status)
+
