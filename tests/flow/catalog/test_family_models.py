@@ -277,7 +277,8 @@ def test_real_generation_in_every_protocol(case: Family) -> None:
 @pytest.mark.parametrize("preset", ["tiny-granite4", "tiny-qwen3.5"])
 def test_recurrent_layers_prefill_together(preset: str) -> None:
     """Mamba-2 (Granite 4.0-H) and gated-delta (Qwen3.5) layers keep state, not positions: prompts that arrive
-    together are prefilled together (no prefix blocks to cut from them), greedy answers as each alone gives."""
+    together are prefilled together (their prefix cache keeps snapshots at the prompts' ends only), greedy
+    answers as each alone gives."""
     from concurrent.futures import ThreadPoolExecutor
 
     with running_server(graph_with_model(ensure_tiny_model(preset), name="m")) as server:
