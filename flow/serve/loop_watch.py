@@ -31,6 +31,7 @@ from typing import Any
 import trio
 
 from flow.graph.metrics import Metric, Registry
+from flow.graph.stage import Stage
 from protocols.ir import HttpRequest
 
 log = logging.getLogger("flow.loop")
@@ -64,30 +65,20 @@ class Stall:
     culprit: Culprit
     at: float
 
-    @property
-    def where(self) -> str | None:
-        return self.culprit.where
-
-    @property
-    def stage(self) -> str | None:
-        return self.culprit.stage
-
-    @property
-    def route(self) -> str | None:
-        return self.culprit.route
-
     def json(self) -> dict[str, Any]:
-        return {"ms": round(self.seconds * 1000, 1), "held_by": self.culprit.held_by, "where": self.where,
-                "stage": self.stage, "route": self.route, "at": self.at}
+        culprit = self.culprit
+        return {"ms": round(self.seconds * 1000, 1), "held_by": culprit.held_by, "where": culprit.where,
+                "stage": culprit.stage, "route": culprit.route, "at": self.at}
 
     def describe(self) -> str:
         parts = [f"the event loop was held for {self.seconds * 1000:.0f} ms ({self.culprit.held_by})"]
-        if self.route:
-            parts.append(f"by {self.route}")
-        if self.stage:
-            parts.append(f"in stage {self.stage}")
-        if self.where:
-            parts.append(f"at {self.where}")
+        culprit = self.culprit
+        if culprit.route:
+            parts.append(f"by {culprit.route}")
+        if culprit.stage:
+            parts.append(f"in stage {culprit.stage}")
+        if culprit.where:
+            parts.append(f"at {culprit.where}")
         return " ".join(parts)
 
 
@@ -100,8 +91,6 @@ def _frame_name(frame: FrameType) -> str:
 
 def _culprit(frame: FrameType | None) -> Culprit:
     """What a stack, innermost frame first, says held the loop."""
-    from flow.graph.stage import Stage
-
     if frame is None:
         return Culprit()
     innermost = frame
