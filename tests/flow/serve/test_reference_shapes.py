@@ -177,14 +177,17 @@ def test_stats_answers_the_reference_blocks_beside_flows_own(server: RunningServ
     assert stats["batch"]["configured"] == 6 and stats["batch"]["batched"] is True
 
 
-def test_stats_batch_counts_the_rows_decoding_now(server: RunningServer) -> None:
+def test_stats_batch_counts_the_rows_decoding_now(server: RunningServer, tiny_llama: Path) -> None:
     assert get(server, "/stats")["batch"]["active_rows"] == 0
     streaming, done = threading.Event(), threading.Event()
+    # The random model's end-of-sequence tokens are banned: a sampled EOS would end the row before /stats is read.
+    eos = json.loads((tiny_llama / "config.json").read_text())["eos_token_id"]
+    no_end = {str(token): -100 for token in (eos if isinstance(eos, list) else [eos])}
 
     def stream() -> None:
         with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=120, json={
                 "model": "tiny-llama", "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 3000, "stream": True}) as answer:
+                "max_tokens": 3000, "logit_bias": no_end, "stream": True}) as answer:
             for line in answer.iter_lines():
                 if line.startswith("data: {"):
                     streaming.set()
