@@ -1,44 +1,147 @@
 """``generate.echo``: a stand-in for ``generate`` that replies with the last user message.
 
-It exists for tests and demos of everything after the model: swap it for
-``generate`` in a graph (one line) and a client's own text comes back through
-the real tokenizer, detokenizer, stop matcher, family parsers and protocol
-formatters, a few tokens per step, as a model would produce it. That makes
-tool-call and reasoning output reproducible on random-weight test models.
+It exists for tests, demos and benchmarks of everything after the model: swap it for ``generate`` in a graph
+(one line) and a client's own text comes back through the real tokenizer, detokenizer, stop matcher, family
+parsers and protocol formatters, as a model would produce it. That makes tool-call and reasoning output
+reproducible on random-weight test models, and measures what flow's own Python costs per token.
+
+"As a model would" is kept to the letter, since the benchmarks read the per-token cost off it:
+
+- an :class:`EchoDevice` steps all its rows together, one token per row per step, and hands each step's
+  chunks to their rows' channels in one pass, as the engine's one crossing per step does;
+- a row ends as a sequence does: its last token carries ``length`` at ``max_tokens``; a script that runs out
+  before gets an empty ``stop`` chunk one step later (the step that sampled the end-of-sequence token), and a
+  stop token in the script stops it the same way;
+- its rows go downstream through :func:`stages.rows.forward_rows`, the same code ``generate`` uses (chunks
+  already waiting are merged, the rows are cancelled when the request ends).
+
+The device is as fast as the stages after it and never faster: the next step starts once every task the
+last one woke is waiting again (the event loop is idle), so no chunk waits for the one before it and each
+item downstream carries one token, the worst case for per-token cost. ``step_seconds`` makes each step take
+at least that long, a device of a given speed.
 """
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import trio
+import trio.testing
 from pydantic import Field
 
 from flow.graph.stage import Outbox
-from protocols.ir import FinishReason, Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
+from stages.rows import forward_rows
+
+
+class EchoRow:
+    """One echoed sequence: its script, and the channel its chunks go to (an engine's sequence handle)."""
+
+    def __init__(self, script: list[int], max_tokens: int, stop_ids: frozenset[int]) -> None:
+        self.send, self.chunks = trio.open_memory_channel[TokenChunk](math.inf)
+        self.script = script
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.generated = 0
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def cancel(self) -> None:
+        """Leave the device at its next step (idempotent)."""
+        self.finished = True
+
+    def next_chunk(self) -> TokenChunk:
+        """This step's chunk; marks the row finished with its last one."""
+        token = self.script[self.generated] if self.generated < len(self.script) else None
+        if token is None or token in self.stop_ids:
+            self.finished = True
+            return TokenChunk((), "stop")
+        self.generated += 1
+        if self.generated >= self.max_tokens:
+            self.finished = True
+            return TokenChunk((token,), "length")
+        return TokenChunk((token,))
+
+
+class EchoDevice:
+    """Steps every submitted row together; its stepping task runs while it has rows."""
+
+    def __init__(self, step_seconds: float = 0.0) -> None:
+        self.step_seconds = step_seconds
+        self.rows: list[EchoRow] = []
+        self.steps = 0
+        self._stepping = False
+
+    def submit(self, script: list[int], max_tokens: int, stop_ids: frozenset[int]) -> EchoRow:
+        row = EchoRow(script, max_tokens, stop_ids)
+        self.rows.append(row)
+        if not self._stepping:
+            self._stepping = True
+            # A system task, as the device thread is outside every request: a request that ends (or is
+            # cancelled) only takes its own row out.
+            trio.lowlevel.spawn_system_task(self._run, name="generate.echo device")
+        return row
+
+    def step(self) -> None:
+        """One step: a chunk for every live row, handed to the rows' channels in one pass."""
+        self.steps += 1
+        alive = []
+        for row in self.rows:
+            if row.finished:
+                row.send.close()
+                continue
+            chunk = row.next_chunk()
+            try:
+                row.send.send_nowait(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                row.cancel()  # its reader went away
+            if row.finished:
+                row.send.close()
+            else:
+                alive.append(row)
+        self.rows = alive
+
+    async def _run(self) -> None:
+        try:
+            while self.rows:
+                started = trio.current_time()
+                self.step()
+                await trio.testing.wait_all_tasks_blocked()
+                if self.step_seconds:
+                    await trio.sleep_until(started + self.step_seconds)
+        finally:
+            self._stepping = False
 
 
 class EchoConfig(ModelStageConfig):
-    tokens_per_chunk: int = Field(default=3, ge=1, description="tokens per chunk, like one engine step's worth")
+    step_seconds: float = Field(default=0.0, ge=0, description="the least time one device step takes (0: as fast "
+                                                               "as the stages after it take the tokens)")
 
 
 class EchoGenerate(ModelStage[PreparedPrompt, Generation]):
     type_name: ClassVar[str] = "generate.echo"
     Config = EchoConfig
     description = "test stand-in for generate: streams the last user message's tokens as the model's output"
+    config: EchoConfig
+
+    def setup(self) -> None:
+        super().setup()
+        self.device = EchoDevice(self.config.step_seconds)
 
     async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
-        step: int = self.config.tokens_per_chunk  # type: ignore[attr-defined]
         async for prompt in inbox:
+            if prompt.request.load_only:  # as generate answers it: empty and finished
+                await outbox.send(GenerationStarted(prompt, 0))
+                await outbox.send(TokenChunk((), "stop"))
+                continue
             tokenizer = self.models.lookup(prompt.model).require().tokenizer
             users = [m.content for m in prompt.request.messages if m.role == "user"]
-            script = users[-1] if users else (prompt.request.prompt if isinstance(prompt.request.prompt, str) else "")
-            ids = list(tokenizer.encode(script, add_special_tokens=False))[: prompt.max_tokens]
-            await outbox.send(GenerationStarted(prompt, prompt_tokens=len(prompt.token_ids)))
-            for start in range(0, len(ids), step):
-                await outbox.send(TokenChunk(tuple(ids[start : start + step])))
-                await trio.sleep(0)
-            finish: FinishReason = "length" if len(ids) >= prompt.max_tokens else "stop"
-            await outbox.send(TokenChunk((), finish))
+            text = users[-1] if users else (prompt.request.prompt if isinstance(prompt.request.prompt, str) else "")
+            script = list(tokenizer.encode(text, add_special_tokens=False))
+            rows = [self.device.submit(script, prompt.max_tokens, prompt.stop_token_ids)
+                    for _ in range(prompt.request.n)]
+            if not await forward_rows(GenerationStarted(prompt, len(prompt.token_ids)), rows, outbox):
+                return

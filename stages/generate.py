@@ -11,7 +11,13 @@ from pydantic import Field
 from flow.graph.stage import Outbox, note_request
 from flow.resources.model import ModelResource
 from protocols.errors import ApiError
-from protocols.ir import ChatRequest, Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from protocols.ir import (
+    ChatRequest,
+    Generation,
+    GenerationStarted,
+    PreparedPrompt,
+    TokenChunk,
+)
 from protocols.parsers import TOOL_PARSERS
 from protocols.parsers.base import tool_schemas
 from runtime.constrained import ANY_JSON_OBJECT, Grammar, GrammarError, Reasoning
@@ -19,39 +25,14 @@ from runtime.engine_config import EngineOverloaded
 from runtime.image_spans import key_tokens
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
+from stages.rows import forward_rows
 
 if TYPE_CHECKING:
     from flow.catalog.families import Family
     from runtime.constrained import Constraint
-    from runtime.engine import SequenceHandle
     from runtime.models import LoadedModel
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the think_tag reasoning parser's markers
-
-
-def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChunk]) -> TokenChunk:
-    """Fold chunks that are already waiting into one item.
-
-    When the stages downstream fall behind the engine (many streams, a slow
-    client), tokens pile up here; passing them on as one item keeps the
-    per-item work (detokenizing, encoding, writing) per step, not per token.
-    """
-    if chunk.finish_reason is not None:
-        return chunk
-    tokens = list(chunk.token_ids)
-    logprobs = list(chunk.logprobs)
-    finish = None
-    merged = False
-    while finish is None:
-        try:
-            more = chunks.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel):
-            break
-        merged = True
-        tokens.extend(more.token_ids)
-        logprobs.extend(more.logprobs)
-        finish = more.finish_reason
-    return TokenChunk(tuple(tokens), finish, tuple(logprobs)) if merged else chunk
 
 
 async def output_constraint(prompt: PreparedPrompt, loaded: LoadedModel, family: Family) -> Constraint | None:
@@ -150,26 +131,11 @@ class Generate(ModelStage[PreparedPrompt, Generation]):
             except EngineOverloaded as exc:
                 raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                                f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
-            # Leaving this block for any reason (done, downstream finished early, client gone) cancels the
-            # sequences; the engine drops them next step.
-            try:
-                await outbox.send(GenerationStarted(prompt, len(tokens), handles[0].cached_tokens,
-                                                    handles[0].cache_write_tokens))
-                downstream_done = trio.Event()
-                async with trio.open_nursery() as nursery:
-                    for i, handle in enumerate(handles):
-                        nursery.start_soon(_forward, handle, i, outbox, nursery.cancel_scope, downstream_done)
-                if downstream_done.is_set():
-                    return  # downstream has all it wants (e.g. a stop string matched)
-            except trio.BrokenResourceError:
-                return
-            finally:
-                for handle in handles:
-                    handle.cancel()
-                    handle.chunks.close()
-            failed = next((h.error for h in handles if h.error is not None), None)
-            if failed is not None:
-                raise ApiError("internal", f"generation failed: {failed}") from failed
+            # However forwarding ends (done, downstream finished early, client gone) the sequences are
+            # cancelled; the engine drops them next step.
+            started = GenerationStarted(prompt, len(tokens), handles[0].cached_tokens, handles[0].cache_write_tokens)
+            if not await forward_rows(started, handles, outbox):
+                return  # downstream has all it wants (e.g. a stop string matched)
 
 
 def refuse_distributed(request: ChatRequest, resource: ModelResource) -> None:
@@ -184,15 +150,3 @@ def refuse_distributed(request: ChatRequest, resource: ModelResource) -> None:
             what, "response_format" if request.response_format is not None else "tool_choice")
         raise ApiError("invalid_request", f"The model {resource.name!r} is served across processes "
                        f"(distributed); {what} is not supported there yet.", param=param)
-
-
-async def _forward(handle: SequenceHandle, choice: int, outbox: Outbox[Generation], scope: trio.CancelScope,
-                   downstream_done: trio.Event) -> None:
-    """One choice's token chunks, tagged with the choice; when downstream stops reading, every choice stops."""
-    try:
-        async for chunk in handle.chunks:
-            merged = merge_pending(chunk, handle.chunks)
-            await outbox.send(replace(merged, choice=choice) if choice else merged)
-    except trio.BrokenResourceError:
-        downstream_done.set()
-        scope.cancel()

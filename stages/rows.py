@@ -1,0 +1,103 @@
+"""The trio side of a request's rows: how ``generate`` (and ``generate.echo``) pass an engine's chunks on.
+
+A request's choices are rows of the engine's batch. Each row has its own channel of :class:`TokenChunk`; the
+engine fills every row's channel in one crossing per step. Here each row's chunks are tagged with their
+choice and sent downstream, those already waiting folded into one item (:func:`merge_pending`). However the
+forwarding ends — every row finished, downstream stopped reading, the client gone — every row is cancelled,
+so the engine drops it at its next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import trio
+
+from flow.graph.stage import Outbox
+from protocols.errors import ApiError
+from protocols.ir import Generation, GenerationStarted, TokenChunk
+
+
+class Row(Protocol):
+    """What an engine hands back for one submitted row (``runtime.engine.SequenceHandle`` is one)."""
+
+    @property
+    def chunks(self) -> trio.MemoryReceiveChannel[TokenChunk]: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    def cancel(self) -> None: ...
+
+
+def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChunk]) -> TokenChunk:
+    """Fold chunks that are already waiting into one item.
+
+    When the stages downstream fall behind the engine (many streams, a slow
+    client), tokens pile up here; passing them on as one item keeps the
+    per-item work (detokenizing, encoding, writing) per step, not per token.
+    """
+    if chunk.finish_reason is not None:
+        return chunk
+    tokens = list(chunk.token_ids)
+    logprobs = list(chunk.logprobs)
+    finish = None
+    merged = False
+    while finish is None:
+        try:
+            more = chunks.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+        merged = True
+        tokens.extend(more.token_ids)
+        logprobs.extend(more.logprobs)
+        finish = more.finish_reason
+    return TokenChunk(tuple(tokens), finish, tuple(logprobs)) if merged else chunk
+
+
+async def forward_rows(started: GenerationStarted, rows: Sequence[Row], outbox: Outbox[Generation]) -> bool:
+    """Send ``started``, then every row's chunks until each row ends; ``False`` when downstream stopped reading
+    first (it has all it wants: a stop string matched). The rows are cancelled and their channels closed on the
+    way out, however it is left; a row the engine failed is an internal error."""
+    try:
+        try:
+            await outbox.send(started)
+        except trio.BrokenResourceError:
+            return False
+        if len(rows) == 1:  # one choice, the common case: no task of its own
+            if not await _forward(rows[0], 0, outbox):
+                return False
+        else:
+            stopped: list[bool] = []
+
+            async def forward(row: Row, choice: int) -> None:
+                if not await _forward(row, choice, outbox):
+                    stopped.append(True)
+                    nursery.cancel_scope.cancel()  # downstream has all it wants: every choice stops
+
+            async with trio.open_nursery() as nursery:
+                for i, row in enumerate(rows):
+                    nursery.start_soon(forward, row, i)
+            if stopped:
+                return False
+    finally:
+        for row in rows:
+            row.cancel()
+            row.chunks.close()
+    failed = next((row.error for row in rows if row.error is not None), None)
+    if failed is not None:
+        raise ApiError("internal", f"generation failed: {failed}") from failed
+    return True
+
+
+async def _forward(row: Row, choice: int, outbox: Outbox[Generation]) -> bool:
+    """One choice's chunks, tagged with the choice; ``False`` when downstream closed its inbox."""
+    try:
+        async for chunk in row.chunks:
+            merged = merge_pending(chunk, row.chunks)
+            await outbox.send(replace(merged, choice=choice) if choice else merged)
+    except trio.BrokenResourceError:
+        return False
+    return True
