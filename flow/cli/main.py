@@ -1,4 +1,4 @@
-"""``flow``: serve, check, viz, stages, probe, models, fit, pull, families, import, bench."""
+"""``flow``: serve, check, viz, stages, probe, models, fit, pull, families, import, bench, launch."""
 
 from __future__ import annotations
 
@@ -461,6 +461,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.bench_args)
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from flow.cli.launch import main as launch_main
+
+    return launch_main(args.launch_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flow", description="A local inference server for MLX models.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
@@ -545,6 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="single-stream benchmark: raw mlx-lm vs the server (see --help)",
                        add_help=False)
     p.set_defaults(func=cmd_bench, bench_args=[])
+
+    p = sub.add_parser("launch", help="run Claude Code, Codex or OpenCode on a flow server, configured for it "
+                                      "(see --help)", add_help=False)
+    p.set_defaults(func=cmd_launch, launch_args=[])
     return parser
 
 
@@ -552,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = build_parser().parse_known_args(argv)
     if args.command == "bench":
         args.bench_args = extra  # flow bench has its own options (flow bench --help)
+    elif args.command == "launch":
+        args.launch_args = extra  # so has flow launch; and what follows its -- is the client's
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
