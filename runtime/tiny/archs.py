@@ -16,6 +16,7 @@ from typing import Any
 from runtime.tiny.templates import (
     DEEPSEEK_R1_TEMPLATE,
     DEEPSEEK_V31_TEMPLATE,
+    FALCON3_TEMPLATE,
     GEMMA3_TEMPLATE,
     GEMMA4_TEMPLATE,
     GPT_OSS_TEMPLATE,
@@ -25,9 +26,12 @@ from runtime.tiny.templates import (
     HERMES3_TOOL_USE_TEMPLATE,
     KIMI_K2_TEMPLATE,
     LLAMA31_TEMPLATE,
+    LFM2_TEMPLATE,
     LLAMA4_TEMPLATE,
     MINICPM5_TEMPLATE,
     MINIMAX_M2_TEMPLATE,
+    MISTRAL_SMALL_3_TEMPLATE,
+    NEMOTRON_H_TEMPLATE,
     PHI4_MINI_TEMPLATE,
     QWEN3_TEMPLATE,
     QWEN35_TEMPLATE,
@@ -59,6 +63,10 @@ class ArchInfo:
     fields: Callable[[int], dict[str, Any]] | None = None  # config.json fields beyond the common ones
     # tokenizer_config.json's chat_template as a list of named templates (Hermes 3: "default" and "tool_use")
     named_templates: tuple[tuple[str, str], ...] = ()
+    # The standard deviation of the layers' matrices (the embeddings keep HF's initializer_range), where HF's is too
+    # small to matter: a model with tied embeddings whose layers are drawn at 0.02 adds next to nothing to its
+    # residual stream, so it repeats its last input token whatever came before, and no test could see a wrong cache.
+    layer_std: float | None = None
 
 
 def _gpt_oss_fields(layers: int) -> dict[str, Any]:
@@ -231,6 +239,55 @@ def _minicpm5_fields(layers: int) -> dict[str, Any]:
     # MiniCPM5-2B's config.json: plain Llama, no rotary scaling, none of the older MiniCPMs' scale fields.
     return {"hidden_act": "silu", "mlp_bias": False, "rms_norm_eps": 1e-6, "rope_theta": 5_000_000.0,
             "rope_scaling": None}
+
+
+def _nemotron_h_fields(layers: int) -> dict[str, Any]:
+    # Nemotron-H: one block per layer, Mamba-2 (M), attention (*) or MLP (-), in hybrid_override_pattern; the real
+    # ones mostly alternate Mamba-2 and MLP blocks with an attention block now and then ("M-M-M-M*-…"). Here the
+    # second to last block is the attention one: every block type is there, and two Mamba-2 layers.
+    pattern = "".join("*" if i == layers - 2 else "M-"[i % 2] for i in range(layers))
+    return {"hybrid_override_pattern": pattern, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16,
+            "n_groups": 1, "conv_kernel": 4, "expand": 1, "chunk_size": 128, "mamba_proj_bias": False,
+            "mamba_hidden_act": "silu", "use_bias": False, "use_conv_bias": True, "mlp_bias": False,
+            "mlp_hidden_act": "relu2", "layer_norm_epsilon": 1e-5, "rms_norm_eps": 1e-5, "residual_in_fp32": False,
+            "rescale_prenorm_residual": True, "time_step_limit": [0.0, float("inf")], "time_step_min": 0.001,
+            "time_step_max": 0.1, "time_step_floor": 1e-4, "rope_theta": 10000, "sliding_window": None}
+
+
+def _falcon_h1_fields(layers: int) -> dict[str, Any]:
+    # Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side on the same input and sums them (one
+    # mlx-lm CacheList per layer: the mixer's state and the attention's KV); µP multipliers as Falcon-H1-0.5B's.
+    return {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
+            "mamba_d_conv": 4, "mamba_expand": 1, "mamba_chunk_size": 128, "mamba_conv_bias": True,
+            "mamba_proj_bias": False, "mamba_norm_before_gate": False, "mamba_rms_norm": False,
+            "mamba_use_mlp": True, "projectors_bias": False, "mlp_bias": False, "mlp_expansion_factor": 8,
+            "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 100000000000.0, "rope_scaling": None,
+            "rope_traditional": False, "attention_in_multiplier": 1.0, "attention_out_multiplier": 0.9375,
+            "embedding_multiplier": 5.656854249492381, "key_multiplier": 0.390625, "lm_head_multiplier": 0.0390625,
+            "mlp_multipliers": [0.8838834764831844, 0.5859375], "ssm_in_multiplier": 1.25,
+            "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+            "ssm_out_multiplier": 0.23570226039551587, "num_logits_to_keep": 1}
+
+
+def _lfm2_fields(layers: int) -> dict[str, Any]:
+    # LFM2: gated short-convolution layers (a 3-token window, no recurrent matrix) with an attention layer every
+    # second one (the real ones: 6 of 16); the feed-forward size is rounded as the real config asks. Its sizes
+    # under their own names (block_dim, block_ff_dim, conv_dim) are the spec's: runtime/tiny/build.py adds them.
+    types = ["full_attention" if i % 2 else "conv" for i in range(layers)]
+    return {"layer_types": types, "full_attn_idxs": [i for i, t in enumerate(types) if t == "full_attention"],
+            "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 32,
+            "block_norm_eps": 1e-5, "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5,
+            "rope_theta": 1000000.0, "tie_embedding": True, "use_pos_enc": True}
+
+
+def _mamba2_fields(layers: int) -> dict[str, Any]:
+    # Mamba-2 (Mamba-Codestral-7B's config): Mamba-2 layers only, no attention at all.
+    return {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1, "conv_kernel": 4, "expand": 2,
+            "chunk_size": 256, "hidden_act": "silu", "layer_norm_epsilon": 1e-5, "rms_norm": True,
+            "residual_in_fp32": True, "rescale_prenorm_residual": False, "use_bias": False, "use_conv_bias": True,
+            "time_step_limit": [0.0, float("inf")], "time_step_min": 0.001, "time_step_max": 0.1,
+            "time_step_floor": 1e-4, "time_step_rank": 256, "time_step_init_scheme": "random",
+            "time_step_scale": 1.0}
 
 
 _GRANITE_ROLES = ("<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>")
@@ -492,6 +549,92 @@ FAMILY_ARCHS: dict[str, ArchInfo] = {
         chat_template=MINICPM5_TEMPLATE,
         module="llama",
         fields=_minicpm5_fields,
+    ),
+    # LiquidAI/LFM2-1.2B: <|startoftext|> begins the text, ChatML turns end in <|im_end|>; the tool markers are
+    # special tokens.
+    "lfm2": ArchInfo(
+        model_type="lfm2",
+        architecture="Lfm2ForCausalLM",
+        special=("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|fim_pre|>", "<|fim_mid|>", "<|fim_suf|>",
+                 "<|im_start|>", "<|im_end|>", "<|tool_list_start|>", "<|tool_list_end|>", "<|tool_call_start|>",
+                 "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>"),
+        reserved_fmt="<|reserved_{}|>",
+        bos="<|startoftext|>",
+        eos="<|im_end|>",
+        pad="<|pad|>",
+        prepend_bos=True,
+        config_bos="<|startoftext|>",
+        config_eos=("<|im_end|>",),
+        stop_tokens=("<|im_end|>",),
+        tie_embeddings=True,
+        chat_template=LFM2_TEMPLATE,
+        generation_defaults={"temperature": 0.3, "min_p": 0.15},
+        module="lfm2",
+        fields=_lfm2_fields,
+        layer_std=0.1,  # LFM2 always ties its head to the embeddings
+    ),
+    # nvidia/NVIDIA-Nemotron-Nano-9B-v2: Mistral's Tekken vocabulary with its control tokens renamed <SPECIAL_n>
+    # (token n), the tool and thinking tags as added tokens.
+    "nemotron_h": ArchInfo(
+        model_type="nemotron_h",
+        architecture="NemotronHForCausalLM",
+        special=("<unk>", "<s>", "</s>", *(f"<SPECIAL_{i}>" for i in range(3, 20))),
+        added=("<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>", "<AVAILABLE_TOOLS>", "</AVAILABLE_TOOLS>",
+               "<TOOL_RESPONSE>", "</TOOL_RESPONSE>"),
+        reserved_fmt="<SPECIAL_{}>",
+        bos="<s>",
+        eos="<SPECIAL_12>",
+        pad="<SPECIAL_14>",
+        unk="<unk>",
+        prepend_bos=True,
+        config_bos="<s>",
+        config_eos=("<SPECIAL_12>",),
+        stop_tokens=("</s>", "<SPECIAL_12>"),
+        chat_template=NEMOTRON_H_TEMPLATE,
+        generation_defaults={"temperature": 0.6, "top_p": 0.95},
+        module="nemotron_h",
+        fields=_nemotron_h_fields,
+    ),
+    # tiiuae/Falcon-H1-0.5B-Instruct's architecture with Falcon 3's vocabulary layout and template: the role markers
+    # and tool tags as added tokens, <|endoftext|> ending an answer.
+    "falcon_h1": ArchInfo(
+        model_type="falcon_h1",
+        architecture="FalconH1ForCausalLM",
+        special=("<|pad|>", "<|endoftext|>", ">>TITLE<<", ">>ABSTRACT<<", ">>INTRODUCTION<<", ">>SUMMARY<<",
+                 ">>COMMENT<<", ">>ANSWER<<", ">>QUESTION<<", ">>DOMAIN<<"),
+        added=("<|system|>", "<|user|>", "<|assistant|>", "<tool_call>", "</tool_call>", "<tool_response>",
+               "</tool_response>", "<tools>", "</tools>"),
+        reserved_fmt=">>UNUSED_{}<<",
+        bos=None,
+        eos="<|endoftext|>",
+        pad="<|pad|>",
+        config_bos="<|endoftext|>",
+        config_eos=("<|endoftext|>",),
+        stop_tokens=("<|endoftext|>",),
+        chat_template=FALCON3_TEMPLATE,
+        module="falcon_h1",
+        fields=_falcon_h1_fields,
+    ),
+    # mistralai/Mamba-Codestral-7B-v0.1's architecture with Tekken's control tokens (Mistral Small 3's order) and
+    # Mistral Small 3's template.
+    "mamba2": ArchInfo(
+        model_type="mamba2",
+        architecture="Mamba2ForCausalLM",
+        special=("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                 "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]",
+                 "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]"),
+        reserved_fmt="<SPECIAL_{}>",
+        bos="<s>",
+        eos="</s>",
+        pad="<pad>",
+        unk="<unk>",
+        prepend_bos=True,
+        config_bos="<s>",
+        config_eos=("</s>",),
+        stop_tokens=("</s>",),
+        chat_template=MISTRAL_SMALL_3_TEMPLATE,
+        module="mamba2",
+        fields=_mamba2_fields,
     ),
 }
 # deepseek-ai/DeepSeek-R1: V3's architecture and vocabulary, R1's template.

@@ -60,6 +60,9 @@ def _model_config(info: ArchInfo, spec: TinySpec, token_id: dict[str, int]) -> d
         arch_fields: dict[str, Any] = info.fields(spec.num_layers)
         if spec.mtp_layers:
             arch_fields["mtp_num_hidden_layers"] = spec.mtp_layers
+        if spec.arch == "lfm2":  # LFM2's config repeats the sizes under names of its own
+            arch_fields.update(block_dim=spec.hidden_size, block_ff_dim=spec.intermediate_size,
+                               conv_dim=spec.hidden_size, conv_dim_out=spec.hidden_size)
     elif spec.arch == "qwen3":
         arch_fields = {
             "hidden_act": "silu",
@@ -130,11 +133,13 @@ def _random_weights(spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.arra
     names = sorted(params)
     keys = mx.random.split(mx.random.key(spec.seed), len(names))
     dtype = getattr(mx, spec.dtype)
+    layer_std = ARCHS[spec.arch].layer_std or INIT_STD
     weights: dict[str, mx.array] = {}
     for i, name in enumerate(names):
         value = params[name]
         if value.ndim >= 2:  # embeddings, projections, experts' stacks: HF-style N(0, 0.02)
-            value = mx.random.normal(value.shape, key=keys[i]) * INIT_STD
+            std = INIT_STD if "embed" in name else layer_std
+            value = mx.random.normal(value.shape, key=keys[i]) * std
         elif name.endswith(("bias", "sinks")):  # module init draws these at random: zero them, deterministic
             value = mx.zeros_like(value)
         elif spec.arch == "gemma3":  # gemma norms scale by (1 + w); identity is w = 0

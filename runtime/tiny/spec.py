@@ -18,7 +18,7 @@ from runtime.tiny.archs import ARCHS, ArchInfo
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
                "seed_oss", "qwen3_5", "gemma4", "phi3", "granite", "granitemoehybrid", "llama4_text", "hermes3",
                "minicpm5", "deepseek_r1", "qwen3_next", "whisper", "soprano", "idefics3", "gemma3_vision", "qwen2",
-               "qwen3_tts"]
+               "qwen3_tts", "nemotron_h", "falcon_h1", "lfm2", "mamba2"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -147,6 +147,14 @@ PRESETS: dict[str, TinySpec] = {
     # Qwen3.5 with its MTP layer in the safetensors, as Qwen ships it (speculative kind "mtp").
     "tiny-qwen3.5-mtp": TinySpec(arch="qwen3_5", intermediate_size=64, mtp_layers=1),
     "tiny-qwen3-next": TinySpec(arch="qwen3_next", intermediate_size=64),
+    # The other hybrids of mlx-lm, each a layout of layer caches of its own (the prefix cache's state snapshots):
+    # Nemotron-H's Mamba-2 and attention blocks between MLP ones (caches for the first two only), LFM2's
+    # short-convolution windows (one array per layer, no recurrent matrix), Falcon-H1's attention and Mamba-2 side
+    # by side in every layer (a CacheList per layer), Mamba-2 alone (no attention layer: blocks without KV).
+    "tiny-nemotron-h": TinySpec(arch="nemotron_h", num_layers=5, intermediate_size=64),
+    "tiny-lfm2": TinySpec(arch="lfm2", intermediate_size=64),
+    "tiny-falcon-h1": TinySpec(arch="falcon_h1", intermediate_size=64),
+    "tiny-mamba2": TinySpec(arch="mamba2", intermediate_size=128),
     # Qwen2 / Qwen2.5: in mlx-lm both tensor and pipeline parallel (runtime.distributed).
     "tiny-qwen2": TinySpec(arch="qwen2"),
     "tiny-gemma4": TinySpec(arch="gemma4", intermediate_size=64),
