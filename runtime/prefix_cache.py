@@ -57,8 +57,9 @@ answers no longer than the window. A block whose sliding-window part is missing
 still serves the global layers of longer prefixes; a prefix is reused only up
 to a depth whose last ``window`` positions all have their sliding-window part,
 and the rebuilt rotating cache holds exactly those, as mlx-lm's own would.
-Recurrent layers (hybrid models: Qwen3.5's and Qwen3-Next's gated-delta layers, Granite 4.0-H's and
-Nemotron-H's Mamba-2 layers; mlx-lm's ``ArraysCache``) hold no positions: a layer's state after position *d*
+Recurrent layers (hybrid models: Qwen3.5's and Qwen3-Next's gated-delta layers, Granite 4.0-H's, Nemotron-H's
+and Mamba-2's Mamba-2 layers, LFM2's short convolutions; mlx-lm's ``ArraysCache``) hold no positions: a layer's
+state after position *d*
 (its convolution window and its recurrent matrix) is a fixed-size array set that depends on every token before
 *d*. Their part of a block is empty; they are kept as *state snapshots* instead — every recurrent layer's state
 at one position, as one more entry of the cache (a :class:`Block` of no tokens), keyed by
@@ -69,9 +70,13 @@ prompt's end and at the finish. A hit needs both parts at one depth *d*: the att
 (a block cut at *d* when *d* falls inside it, or a tail ending at *d*) and a snapshot at exactly *d*; the match
 takes the deepest such *d* and the rest of the prompt is prefilled from there. Snapshots at block boundaries go
 to the disk tier too (with the blocks' checksums); the others need a tail, which lives in memory only.
-Layer caches that are none of these (caches that keep leading tokens, several caches in one layer) cannot be
-cut into position blocks: for them :func:`layer_windows` says why, the engine does not use the cache, and the
-model's stats say so.
+A layer may keep both (Falcon-H1's attention and Mamba-2 mixer side by side: mlx-lm's ``CacheList`` of an
+``ArraysCache`` and a ``KVCache``): its keys and values go into the blocks like any full layer's, its state into
+the snapshots. A model without attention layers (Mamba-2) keeps blocks that hold no arrays: their keys still
+mark the prefixes the snapshots continue. Layer caches that are none of these (caches that keep leading tokens —
+no mlx-lm family makes one, only ``make_prompt_cache``'s ``max_kv_size`` — or other cache pairs in one layer)
+cannot be cut into position blocks: for them :func:`layer_windows` says why, the engine does not use the cache,
+and the model's stats say so.
 
 Segments: the blocks one :meth:`store` adds are copied out of the sequence's cache together, one contiguous
 array per layer's keys and values (a :class:`Segment`), and each block's arrays are views into it. A match that
@@ -98,7 +103,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from runtime.kv_disk import DiskTier, HostBlock
 from runtime.quantized_kv import is_packed, joined_layer
@@ -120,9 +125,14 @@ MAX_CHUNK_STATES = 8  # state snapshots one sequence stores at its prefill-chunk
 
 @dataclass(frozen=True)
 class Recurrent:
-    """A recurrent layer (mlx-lm's ``ArraysCache`` of ``arrays`` arrays): kept as state snapshots, not blocks."""
+    """A recurrent layer (mlx-lm's ``ArraysCache`` of ``arrays`` arrays): kept as state snapshots, not blocks.
+
+    ``kv``: the layer keeps a full KV cache beside its state (a ``CacheList`` of the two, in that order: Falcon-H1),
+    whose positions go into the blocks as a full layer's.
+    """
 
     arrays: int
+    kv: bool = False
 
 
 # Per layer: None for a full KV cache, the window for a sliding-window (rotating) one, Recurrent for a
@@ -219,8 +229,11 @@ def layer_windows(cache: Sequence[Any]) -> Windows | str:
             windows.append(None)
         elif type(c) is RotatingKVCache and c.keep == 0:
             windows.append(int(c.max_size))
-        elif type(c) is ArraysCache:
+        elif isinstance(c, ArraysCache):  # and its subclasses: the arrays are all a snapshot needs
             windows.append(Recurrent(len(c.cache)))
+        elif (type(c) is CacheList and len(c.caches) == 2 and isinstance(c.caches[0], ArraysCache)
+              and type(c.caches[1]) is KVCache):
+            windows.append(Recurrent(len(c.caches[0].cache), kv=True))
         else:
             odd.add(type(c).__name__ + (" with kept tokens" if isinstance(c, RotatingKVCache) else ""))
     if odd:
@@ -327,6 +340,8 @@ def _to_host(arrays: list[mx.array | None], kv_bits: int | None = None) -> HostB
     """A block's arrays for the host and the disk: as they are, or ``kv_bits``-quantized in groups along the
     head dimension (when a group size divides it)."""
     present = [a for a in arrays if a is not None]
+    if not present:  # a block of a model without attention layers (Mamba-2): its key marks the prefix, no KV
+        return HostBlock(tuple(None for _ in arrays), "none")
     dtype = str(present[0].dtype).removeprefix("mlx.core.")
     group = quantization_group(present[0].shape[-1]) if kv_bits else None
     if kv_bits is None or group is None or is_packed(present[0]):  # live-quantized rows' codes: kept as they are
@@ -431,6 +446,13 @@ def _pieces(blocks: Sequence[Block], index: int) -> list[mx.array]:
 
 def _joined(pieces: list[mx.array]) -> mx.array:
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+
+def _arrays_of(layer: Any) -> list[mx.array]:
+    """The arrays of a layer cache :meth:`PrefixCache.build` made (to evaluate them at once)."""
+    if isinstance(layer, CacheList):
+        return [a for part in layer.caches for a in _arrays_of(part)]
+    return [a for a in (layer.cache if isinstance(layer, ArraysCache) else layer.state) if a is not None]
 
 
 def _nbytes(arrays: Sequence[Any]) -> int:
@@ -637,14 +659,16 @@ class PrefixCache:
         covered = sum(block.length for block in hit.blocks)
         cache: list[Any] = []
         for layer, window in enumerate(hit.windows):
+            layer_state: Any = None
             if isinstance(window, Recurrent):
-                layer_state: Any = ArraysCache(window.arrays)
+                layer_state = ArraysCache(window.arrays)
                 layer_state.cache, states = states[: window.arrays], states[window.arrays :]
                 if len(layer_state.cache) != window.arrays or any(a is None for a in layer_state.cache):
                     raise ValueError("the hit's state snapshot does not fit the model's recurrent layers")
-                cache.append(layer_state)
-                continue
-            first = 0 if window is None else max(0, n - window) // hit.block_tokens
+                if not window.kv:
+                    cache.append(layer_state)
+                    continue
+            first = 0 if not isinstance(window, int) else max(0, n - window) // hit.block_tokens
             blocks = hit.blocks[first:]
             key_parts, value_parts = _pieces(blocks, 2 * layer), _pieces(blocks, 2 * layer + 1)
             if window is None and any(is_packed(k) for k in key_parts):  # cut from live-quantized rows
@@ -653,7 +677,7 @@ class PrefixCache:
             keys, values = _joined(key_parts), _joined(value_parts)
             if covered > n:  # a snapshot inside the last block: its positions up to the snapshot
                 keys, values = keys[..., : keys.shape[2] - (covered - n), :], values[..., : values.shape[2] - (covered - n), :]
-            if window is None:
+            if not isinstance(window, int):
                 c: Any = KVCache()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
                 c.keys, c.values, c.offset = keys, values, n
             else:
@@ -661,8 +685,8 @@ class PrefixCache:
                 c = RotatingKVCache(max_size=window, keep=0)  # type: ignore[no-untyped-call]
                 c.keys, c.values = keys[..., -held:, :], values[..., -held:, :]
                 c.offset, c._idx = n, held
-            cache.append(c)
-        mx.eval([a for c in cache for a in (c.cache if isinstance(c, ArraysCache) else c.state) if a is not None])
+            cache.append(c if layer_state is None else CacheList(layer_state, c))  # type: ignore[no-untyped-call]
+        mx.eval([a for c in cache for a in _arrays_of(c)])
         self.release(hit)
         self._evict()
         return cache
@@ -694,7 +718,8 @@ class PrefixCache:
                 fresh.append((i, key, parent))
             parent = key
         added: list[Block] = []
-        skip = frozenset(j for i, w in enumerate(windows) if isinstance(w, Recurrent) for j in (2 * i, 2 * i + 1))
+        skip = frozenset(j for i, w in enumerate(windows) if isinstance(w, Recurrent) and not w.kv
+                         for j in (2 * i, 2 * i + 1))
         for run in _runs(fresh, lambda a, b: a[0] + 1 == b[0]):
             added += self._copied(run, slicer, namespace, expires, persist, skip)
         start = len(block_keys) * b

@@ -411,7 +411,9 @@ def test_keep_or_nested_caches_fall_back_and_say_so() -> None:
 
     assert layer_windows([KVCache(), RotatingKVCache(max_size=64)]) == (None, 64)
     assert layer_windows([KVCache(), ArraysCache(2)]) == (None, Recurrent(2))  # snapshots: test_prefix_hybrid.py
-    reason = layer_windows([KVCache(), CacheList(ArraysCache(2), KVCache())])
+    # Falcon-H1's layers: a recurrent state and a KV cache in one CacheList, kept as both.
+    assert layer_windows([CacheList(ArraysCache(2), KVCache())]) == (Recurrent(2, kv=True),)
+    reason = layer_windows([KVCache(), CacheList(KVCache(), KVCache())])  # DeepSeek-V3.2's indexer keys beside KV
     assert isinstance(reason, str) and "CacheList" in reason and "prefilled in full" in reason
     assert isinstance(layer_windows([RotatingKVCache(max_size=64, keep=4)]), str)
 
