@@ -1,4 +1,4 @@
-"""Fixtures for running real agent CLIs (Claude Code, Codex) against a test server.
+"""Fixtures for running real agent CLIs (Claude Code, Codex, OpenCode) against a test server.
 
 * **The model.** Agent CLIs send whole harnesses: Claude Code's first request is 75-115 KB of JSON
   (system prompt and two dozen tool schemas), Codex's about 40 KB. The tiny models' byte-level BPE
@@ -50,6 +50,7 @@ DEFAULT_MAX_TOKENS = 256
 CLIS = {
     "claude": "@anthropic-ai/claude-code",
     "codex": "@openai/codex",
+    "opencode": "opencode-ai",
 }
 
 
@@ -329,3 +330,8 @@ def claude_cli() -> list[str]:
 @pytest.fixture(scope="session")
 def codex_cli() -> list[str]:
     return find_cli("codex")
+
+
+@pytest.fixture(scope="session")
+def opencode_cli() -> list[str]:
+    return find_cli("opencode")
