@@ -1,7 +1,9 @@
 """The prefix cache on hybrid models (recurrent layers as state snapshots) through the real server.
 
 For each tiny hybrid family: a hit gives the answer a cold prefill gives, token for token, for one request and
-for several at once, on the conversation's next turn, and after a restart from the disk tier.
+for several at once, on the conversation's next turn, and after a restart from the disk tier. The other hybrid
+layouts (Nemotron-H's, LFM2's, Mamba-2's) go through one protocol each: tests/runtime/test_prefix_hybrid.py
+compares their every hit with a cold run in all the engine's configurations.
 """
 
 from __future__ import annotations
@@ -69,4 +71,52 @@ def test_hybrid_hits_answer_as_cold_runs(preset: str, tmp_path: Path) -> None:
         assert cached == 0 and cold2 == warm2
     with cached_server(model, tmp_path / "a") as restarted:  # the disk tier: snapshots on block boundaries
         _, again, _, cached = ask(restarted.url, turn1)
+        assert again == cold1 and cached % BLOCK == 0 and cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK
+
+
+def exchange(server: Any, protocol: str, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    """One greedy answer to ``messages`` (a system prompt, then turns) in ``protocol``: (its text, prompt tokens,
+    cached prompt tokens)."""
+    system, turns = messages[0]["content"], messages[1:]
+    if protocol == "anthropic":
+        claude = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+        reply: Any = claude.messages.create(model="tiny", max_tokens=12, system=system, messages=turns,  # type: ignore[arg-type]
+                                            extra_body={"temperature": 0})
+        u = reply.usage
+        read = u.cache_read_input_tokens or 0
+        return str([b.model_dump() for b in reply.content]), u.input_tokens + read + (u.cache_creation_input_tokens or 0), read
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    if protocol == "responses":
+        response = client.responses.create(model="tiny", instructions=system, input=turns,  # type: ignore[arg-type]
+                                           temperature=0, max_output_tokens=12,
+                                           extra_body={"session_id": "more-hybrids"})
+        assert response.usage is not None
+        return response.output_text, response.usage.input_tokens, response.usage.input_tokens_details.cached_tokens
+    _, text, prompt, cached = ask(server.url, messages)
+    return text, prompt, cached
+
+
+@pytest.mark.parametrize(("preset", "protocol"), [("tiny-nemotron-h", "openai"), ("tiny-lfm2", "anthropic"),
+                                                  ("tiny-mamba2", "responses")])
+def test_more_hybrid_layouts_answer_as_cold_runs(preset: str, protocol: str, tmp_path: Path) -> None:
+    model = ensure_tiny_model(preset)
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]
+    with cached_server(model, tmp_path) as server:
+        cold1, prompt1, cached = exchange(server, protocol, turn1)
+        assert cached == 0
+        warm1, _, cached = exchange(server, protocol, turn1)  # an exact repeat: the prompt end's snapshot
+        assert warm1 == cold1 and cached == reusable(prompt1)
+        turn2 = [*turn1, {"role": "assistant", "content": "The lamp is lit."}, {"role": "user", "content": "And the ships?"}]
+        warm2, _, cached = exchange(server, protocol, turn2)  # the next turn: from the turn point or deeper
+        assert cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK > 0
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # hits decoding together
+            runs = list(pool.map(lambda m: exchange(server, protocol, m), [turn1, turn2, turn1, turn2]))
+        assert [r[0] for r in runs] == [cold1, warm2, cold1, warm2] and all(r[2] > 0 for r in runs)
+        stats = prefix_stats(server)
+        assert stats["state_hits"] >= 6 and stats["referenced_blocks"] == 0
+    with cached_server(model, tmp_path / "fresh") as fresh:  # the next turn cold, on a server that never saw turn 1
+        cold2, _, cached = exchange(fresh, protocol, turn2)
+        assert cached == 0 and cold2 == warm2
+    with cached_server(model, tmp_path) as restarted:  # the disk tier: snapshots on block boundaries
+        again, _, cached = exchange(restarted, protocol, turn1)
         assert again == cold1 and cached % BLOCK == 0 and cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK
