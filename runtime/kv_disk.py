@@ -402,6 +402,8 @@ class DiskTier:
                     elif kind == "delete":
                         self.path(payload).unlink(missing_ok=True)
                         db.execute("DELETE FROM blocks WHERE key = ?", (payload.hex(),))
+                        with self._lock:  # a write queued before the delete put its entry back meanwhile
+                            self._forget(payload)
                     if self._queue.empty():
                         db.commit()
                 except Exception:  # a full disk, a bad block or an index damaged meanwhile must not stop the tier

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import trio
 
@@ -321,6 +322,23 @@ async def test_damaged_disk_blocks_are_never_served(qwen3: Loaded, rigs: list[Ri
     second.disk.flush()
     assert flipped.read_bytes() != bytes(data) and second.disk.read(keys[1]) is not None
     second.disk.close()
+
+
+def test_a_block_deleted_while_its_write_is_queued_stays_deleted(tmp_path: Path) -> None:
+    """A superseded chunk-end snapshot is deleted right after its store queued its write (runtime/prefix_cache.py's
+    forget_state): the write must not bring its index entry back once the file is gone."""
+    from runtime.kv_disk import HostBlock
+
+    tier = DiskTier(tmp_path, 1 << 30)
+    block = HostBlock((np.zeros((1, 2, 4, 4), np.float32), None), "float32")
+    keys = [bytes([i]) * 20 for i in range(8)]
+    for key in keys:
+        tier.write(key, None, b"n" * 16, block, time.time() + 60)
+        tier.delete(key)
+    tier.flush()
+    assert not any(tier.has(key) for key in keys) and tier.stats()["blocks"] == 0 and tier.stats()["bytes"] == 0
+    assert not list((tmp_path / "blocks").rglob("*.safetensors"))
+    tier.close()
 
 
 async def test_expired_blocks_are_deleted(qwen3: Loaded, rigs: list[Rig], tmp_path: Path) -> None:
