@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trio  # noqa: E402
 
-import runtime.engine  # noqa: E402
+import runtime.speculative_step  # noqa: E402
 from protocols.ir import SamplingParams  # noqa: E402
 from runtime.device import DeviceThread  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    setattr(runtime.engine, "worth_verifying", Decision())  # the engine calls it by this name
+    setattr(runtime.speculative_step, "worth_verifying", Decision())  # the engine calls it by this name
     device = DeviceThread("bench-draft-cost")
     device.start()
     try:

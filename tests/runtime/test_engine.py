@@ -17,8 +17,10 @@ import trio
 
 from protocols.ir import SamplingParams, TokenChunk
 from runtime.device import DeviceThread
-from runtime.engine import Engine, SequenceHandle
+from runtime.engine import Engine
 from runtime.engine_config import STRATEGIES, EngineConfig, EngineOverloaded
+from runtime.sequence import SequenceHandle
+from runtime.step_phases import Phase, phases
 from runtime.tiny import PRESETS, ensure_tiny_model
 
 GREEDY = SamplingParams()
@@ -565,22 +567,22 @@ async def test_on_the_cpu_a_new_arrival_starts_before_the_batch_computes(qwen3: 
     otherwise wait for)."""
     engine = engines(qwen3)
     events: list[str] = []
-    real_step, real_start, real_async_eval = engine.step, engine._start, mx.async_eval
+    real_step, real_start, real_async_eval = engine.step, engine.prefill.start, mx.async_eval
 
     def step() -> None:
         events.append("step")
         real_step()
 
-    def start(rows: Any, out: Any) -> None:
+    def start(rows: Any) -> None:
         events.append(f"start {len(rows)}")
-        real_start(rows, out)
+        real_start(rows)
 
     def async_eval(*arrays: Any) -> None:
         events.append("batch pass")
         real_async_eval(*arrays)
 
     monkeypatch.setattr(engine, "step", step)
-    monkeypatch.setattr(engine, "_start", start)
+    monkeypatch.setattr(engine.prefill, "start", start)
     monkeypatch.setattr(mx, "async_eval", async_eval)
     prompts = [qwen3.chat(PROMPTS[0]), qwen3.chat(PROMPTS[4])]
     results = await run_all(engine, prompts, 24, stagger_after=4)
@@ -593,3 +595,27 @@ async def test_on_the_cpu_a_new_arrival_starts_before_the_batch_computes(qwen3: 
             steps[-1].append(event)
     joined = [s for s in steps if "start 1" in s and "batch pass" in s]  # the arrival's step, a batch running
     assert joined and all(s.index("start 1") < s.index("batch pass") for s in joined), steps
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_every_step_runs_the_phase_tables_order(qwen3: Loaded, engines: Engines, strategy: str) -> None:
+    """Each step the engine takes, with sequences arriving, prefilling, decoding and finishing, runs exactly the
+    phases of runtime/step_phases.py's table for its strategy and device, in order; the output is unchanged."""
+    engine = engines(qwen3, strategy=strategy, max_batch=4, prefill_chunk=32)
+    steps: list[list[Phase]] = []
+
+    def watched(phase: Phase, run: Any) -> Any:
+        def wrapper() -> Any:
+            if phase is Phase.INTAKE:
+                steps.append([])
+            steps[-1].append(phase)
+            return run()
+        return wrapper
+
+    engine._run = {phase: watched(phase, run) for phase, run in engine._run.items()}
+    prompts = [qwen3.chat(p) for p in PROMPTS[:3]]
+    results = await run_all(engine, prompts, 12, stagger_after=3)
+    assert [r.tokens for r in results] == [qwen3.reference(p, 12) for p in prompts]
+    want = list(phases(strategy, mx.default_device().type != mx.DeviceType.cpu))  # type: ignore[arg-type]
+    assert len(steps) > 12 and all(step == want for step in steps), steps
+

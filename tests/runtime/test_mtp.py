@@ -109,7 +109,7 @@ async def test_the_drafter_sees_the_models_own_hidden_states(device: DeviceThrea
 
     monkeypatch.setattr(MTPDraftState, "observe", record)
     out, _ = await tokens(on.engine, REPEATING, max_tokens=24)
-    drafter = on.engine.draft_model
+    drafter = on.engine.speculator.drafter
     assert isinstance(drafter, MTPDrafter)
 
     def differences() -> list[float]:
@@ -129,7 +129,7 @@ def test_drafts_are_what_the_mtp_layer_computes(device: DeviceThread, models: tu
     at i + 1) fed so far, each next from the layer's own output and the token before; after a proposal the
     layer's cache holds only the model's own pairs (a later draft is what one pass over all of them gives)."""
     _, on = models
-    drafter = on.engine.draft_model
+    drafter = on.engine.speculator.drafter
     assert isinstance(drafter, MTPDrafter)
     history = REPEATING[:50]
     start = 30

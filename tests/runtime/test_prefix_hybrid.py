@@ -14,14 +14,15 @@ import pytest
 import trio
 
 from protocols.ir import CachePolicy
-from runtime.engine import TURN_MARGIN
+from runtime.prefix_keeper import TURN_MARGIN
 from runtime.engine_config import SpeculativeConfig
 from runtime.prefix_cache import MAX_CHUNK_STATES, PrefixCache, PrefixConfig, Recurrent, layer_windows
 from tests.runtime.test_engine import GREEDY, Loaded, collect
 from tests.runtime.test_prefix_cache import (BLOCK, Rig, conversation, device, disk_cache, load,  # noqa: F401
                                              rig, rigs)
 
-HYBRIDS = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-granite4", "tiny-nemotron-h", "tiny-lfm2", "tiny-mamba2"]
+HYBRIDS = ["tiny-qwen3.5", "tiny-qwen3-next", "tiny-granite4", "tiny-nemotron-h", "tiny-lfm2", "tiny-mamba2",
+           "tiny-falcon-h1"]
 
 
 @pytest.fixture(scope="module", params=HYBRIDS)

@@ -199,7 +199,7 @@ async def test_speculative_decoding_trims_quantized_rows(device: DeviceThread, m
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts verified on a quantized batch, accepted in part (ragged across rows): the rejected positions are
     trimmed from the quantized rows and greedy output is still mlx-lm's."""
-    import runtime.engine
+    import runtime.speculative_step
     from runtime.engine_config import SpeculativeConfig
     from runtime.speculative import DraftState
     from tests.runtime.test_speculative import oracle
@@ -207,7 +207,7 @@ async def test_speculative_decoding_trims_quantized_rows(device: DeviceThread, m
     loaded = load(device, QWEN3)
     prompts = [loaded.chat("the lamp, the sea, the keeper " * 3), loaded.chat("one two three")]
     expected = [reference(loaded, p, 24, 8, 0) for p in prompts]
-    monkeypatch.setattr(runtime.engine, "worth_verifying", lambda lengths, *_: max(lengths))
+    monkeypatch.setattr(runtime.speculative_step, "worth_verifying", lambda lengths, *_: max(lengths))
     for wrong_after in (None, 2):
         monkeypatch.setattr(DraftState, "propose",
                             oracle({len(p): want for p, want in zip(prompts, expected)}, wrong_after))

@@ -91,9 +91,9 @@ async def test_greedy_output_is_identical_with_lookup_drafts(device: DeviceThrea
 def always_verify(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step with drafts verifies them, whatever the measured cost says (it depends on this machine's load):
     the tests that check what verification does must see it happen."""
-    import runtime.engine
+    import runtime.speculative_step
 
-    monkeypatch.setattr(runtime.engine, "worth_verifying",
+    monkeypatch.setattr(runtime.speculative_step, "worth_verifying",
                         lambda lengths, states, cost, draft_cost=None: max(lengths))
 
 

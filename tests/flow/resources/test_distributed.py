@@ -503,7 +503,8 @@ class QueueReplicator:
 
     def step_done(self) -> None:
         engine = self.engine_of()
-        rows = [("waiting", s) for s in engine._waiting] + [("ready", s) for r in engine._ready for s in r.seqs]
+        prefill = engine.prefill
+        rows = [("waiting", s) for s in prefill.waiting] + [("ready", s) for r in prefill.ready for s in r.seqs]
         rows += [("batch", s) for s in engine._batch.seqs]
         self.states.append(tuple((where, s.handle.id, s.prefilled, s.generated, s.fresh, tuple(s.fed))
                                  for where, s in rows))

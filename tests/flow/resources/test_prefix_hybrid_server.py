@@ -16,7 +16,7 @@ import anthropic
 import openai
 import pytest
 
-from runtime.engine import TURN_MARGIN
+from runtime.prefix_keeper import TURN_MARGIN
 from runtime.tiny import ensure_tiny_model
 from tests.flow.resources.test_prefix_server import BLOCK, SYSTEM, cached_server, prefix_stats, reusable
 
@@ -97,7 +97,7 @@ def exchange(server: Any, protocol: str, messages: list[dict[str, str]]) -> tupl
 
 
 @pytest.mark.parametrize(("preset", "protocol"), [("tiny-nemotron-h", "openai"), ("tiny-lfm2", "anthropic"),
-                                                  ("tiny-mamba2", "responses")])
+                                                  ("tiny-mamba2", "responses"), ("tiny-falcon-h1", "openai")])
 def test_more_hybrid_layouts_answer_as_cold_runs(preset: str, protocol: str, tmp_path: Path) -> None:
     model = ensure_tiny_model(preset)
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]

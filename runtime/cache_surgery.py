@@ -1,0 +1,159 @@
+"""Surgery on mlx-lm's layer caches: reading a sequence's positions and recurrent states out of them, merging
+single-sequence caches into a batch's, trimming rejected draft positions per row.
+
+mlx-lm keeps a layer's cache as one of a few classes — ``KVCache``/``BatchKVCache`` (every position),
+``RotatingKVCache``/``BatchRotatingKVCache`` (a sliding window, possibly wrapped around its ring), a quantized
+KV (``runtime.quantized_kv``), ``ArraysCache`` and its subclasses (a recurrent layer's state: a convolution
+window and a recurrent matrix, no positions). This module is the one place that knows their insides; the engine
+and the prefix cache read caches through its slicers and state readers.
+
+Never imports the engine; of the prefix cache only the reader types it hands them (``Slicer``, ``StateReader``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache
+
+from runtime import quantized_kv
+from runtime.prefix_cache import Slicer, StateReader
+
+
+def recurrent_layer(layer: Any) -> bool:
+    """A layer cache that holds a recurrent state, not positions (mlx-lm's ArraysCache and its subclasses)."""
+    return isinstance(layer, ArraysCache)
+
+
+def recurrent_part(layer: Any) -> Any | None:
+    """A layer cache's recurrent state: an ArraysCache (or a subclass), or the one a CacheList keeps beside a KV
+    cache (Falcon-H1's attention and Mamba-2 side by side); None for a layer of positions only."""
+    if isinstance(layer, ArraysCache):
+        return layer
+    if isinstance(layer, CacheList):
+        return next((c for c in layer.caches if isinstance(c, ArraysCache)), None)
+    return None
+
+
+def positions_part(layer: Any) -> Any | None:
+    """A layer cache's positions: the cache itself, the KV cache of a CacheList, None for a recurrent state alone."""
+    if isinstance(layer, ArraysCache):
+        return None
+    if isinstance(layer, CacheList):
+        return next((c for c in layer.caches if not isinstance(c, ArraysCache)), None)
+    return layer
+
+
+def positions_of(layer: Any, row: int | None) -> tuple[Any, Any, int]:
+    """A layer's keys and values for one sequence in position order, and the position of the first.
+
+    A full cache holds every position (a batch row after its left padding); a sliding-window
+    (rotating) cache only the last ones, possibly wrapped around its ring buffer. A quantized cache's positions
+    come packed (runtime.quantized_kv), so blocks keep their codes.
+    """
+    packed = quantized_kv.held(layer, row)
+    if packed is not None:
+        return packed[0], packed[1], 0
+    if isinstance(layer, (BatchKVCache, KVCache)):
+        keys, values = layer.keys, layer.values  # None only before the first token: never read then
+        assert keys is not None and values is not None, "a cache is read once it holds positions"
+        if isinstance(layer, KVCache):
+            return keys, values, 0
+        assert row is not None, "a batch cache is read one row at a time"
+        pad = int(layer.left_padding[row].item())  # type: ignore[arg-type]  # (an integer array)
+        return keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], 0
+    if row is not None:
+        layer = layer.extract(row)  # a rotating row, unrolled into position order
+        keys, values = layer.keys, layer.values
+    else:
+        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    held = min(keys.shape[2], layer.offset)
+    return keys[..., keys.shape[2] - held :, :], values[..., keys.shape[2] - held :, :], layer.offset - held
+
+
+def slicer(cache: list[Any], row: int | None) -> Slicer:
+    # Built on the first read: without a prefix cache nothing reads it. A recurrent layer (Qwen3.5's linear
+    # attention, a Mamba layer) holds no positions: its part is None (its state goes as a snapshot, state_reader).
+    held: list[tuple[Any, Any, int] | None] = []
+
+    def read(start: int, end: int) -> list[mx.array | None]:
+        if not held:
+            held.extend(None if (kv := positions_part(c)) is None else positions_of(kv, row) for c in cache)
+        out: list[mx.array | None] = []
+        for layer in held:
+            if layer is None:
+                out += [None, None]
+                continue
+            keys, values, first = layer
+            if start < first:
+                out += [None, None]  # a sliding window that has moved past these positions
+            else:
+                out += [keys[..., start - first : end - first, :], values[..., start - first : end - first, :]]
+        return out
+    return read
+
+
+def state_reader(cache: list[Any], row: int | None) -> StateReader:
+    """The recurrent layers' states of one sequence (its own cache, or a row of a batch cache), read when called:
+    every ``ArraysCache`` array in layer order."""
+
+    def read() -> list[mx.array]:
+        out: list[mx.array] = []
+        for layer in cache:
+            state = recurrent_part(layer)
+            if state is not None:
+                for a in state.cache:
+                    if a is None:
+                        raise ValueError("a recurrent layer holds no state yet")
+                    out.append(a if row is None else a[row : row + 1])
+        return out
+    return read
+
+
+def own_state(cache: list[Any]) -> StateReader:
+    return state_reader(cache, None)
+
+
+def row_state(cache: list[Any], row: int) -> StateReader:
+    return state_reader(cache, row)
+
+
+def own_slicer(cache: list[Any]) -> Slicer:
+    """Positions of a single-sequence cache (one KVCache or RotatingKVCache per layer)."""
+    return slicer(cache, None)
+
+
+def row_slicer(cache: list[Any], row: int) -> Slicer:
+    """Positions of one row of a left-padded batch cache (BatchKVCache or BatchRotatingKVCache per layer)."""
+    return slicer(cache, row)
+
+
+def trim_rows(cache: list[Any], trims: list[int]) -> None:
+    """Drop each row's last ``trims[i]`` positions from a batch cache (the draft tokens it rejected): the
+    amount all rows share is trimmed, the rest of each row is rolled into its left padding (mlx-lm's own
+    right-padding mechanism), so every row's positions stay contiguous and end together."""
+    common = min(trims)
+    rest = [t - common for t in trims]
+    for layer in cache:
+        if recurrent_layer(layer):
+            continue  # a recurrent state: runtime/recurrent_rollback.py cuts it back
+        if common:
+            layer.trim(common)
+        if any(rest):
+            layer.prepare(right_padding=rest)
+            layer.finalize()
+
+
+def merge_caches(caches: list[list[Any]]) -> list[Any]:
+    """Single-sequence caches (one list per sequence) → one left-padded batch cache per layer."""
+    merged = []
+    for layer in zip(*caches):
+        quantized = quantized_kv.merge_layer(layer)
+        if quantized is not None:
+            merged.append(quantized)
+            continue
+        if not hasattr(layer[0], "merge"):
+            raise ValueError(f"{type(layer[0]).__name__} caches cannot be batched")
+        merged.append(layer[0].merge(list(layer)))
+    return merged

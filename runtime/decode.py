@@ -1,0 +1,139 @@
+"""The decode batch's step: one forward pass for every row, and the tokens each row hands out.
+
+Each step runs **one** pass with one input token per row — or, when drafts are worth verifying, the speculator's
+verify pass (``runtime/speculative_step.py``) — samples every row (:func:`runtime.sampling.sample_batch`,
+per-sequence parameters and keys), and reads the *previous* step's tokens (one ``tolist()`` for the batch): the
+inputs of this pass are the tokens sampled last step. On a GPU the pass is launched before the read, so the
+device computes step *n+1* while Python hands out step *n* (the pipelining of ``mlx_lm.generate_step``, for the
+whole batch); on the CPU ``async_eval`` computes most of the pass before returning, so it is left in
+:attr:`Decoded.launch` for the engine's launch phase, after the step's prefill. A row whose input is its first
+token ("fresh") hands nothing out: that token went out when it was sampled. A finished row's extra token is
+dropped with its row.
+
+:meth:`Decoder.step` returns what the step decided (:class:`runtime.sequence.Decoded`); the engine's deliver
+phase hands the chunks out. Never imports the engine or trio.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from protocols.ir import TokenChunk, TokenLogprob
+from runtime.engine_stats import Tally
+from runtime.mtp import MTPDraftState
+from runtime.pass_cost import PassCost
+from runtime.passes import ModelPasses
+from runtime.prefix_keeper import PrefixKeeper
+from runtime.sampling import sample_batch
+from runtime.sequence import DecodeBatch, Decoded, Sequence
+from runtime.speculative_step import Speculator
+
+
+class Decoder:
+    def __init__(self, passes: ModelPasses, speculator: Speculator, keeper: PrefixKeeper, tally: Tally,
+                 step_cost: PassCost, pipelined: bool) -> None:
+        self._passes = passes
+        self._speculator = speculator
+        self._keeper = keeper
+        self._tally = tally
+        self._step_cost = step_cost  # decode passes' seconds by the tokens they hold (speculation's cost fit)
+        self._pipelined = pipelined  # a GPU: launch the pass before reading the last step's tokens
+
+    def step(self, batch: DecodeBatch) -> Decoded:
+        """Decode one step of the batch; the rows that finished leave it (their extra token with them)."""
+        start = time.perf_counter()
+        drafts = self._speculator.drafts(batch)
+        decoded = self._speculator.verify(batch, *drafts) if drafts is not None else self._plain(batch)
+        now = time.perf_counter()
+        self._tally.finished(len(decoded.finished), now)
+        self._keeper.keep_finished(batch, decoded.finished)  # read from their rows before the rows go
+        batch.inputs = decoded.inputs
+        batch.report = (list(batch.seqs), decoded.report) if decoded.report else None
+        batch.keep(decoded.keep)
+        stats = self._tally.stats
+        stats.generated_tokens += decoded.emitted
+        stats.decode_steps += 1
+        stats.decode_seconds += time.perf_counter() - start
+        return decoded
+
+    def launch(self, arrays: list[mx.array]) -> None:
+        """Compute a pass :meth:`step` left to launch (CPU), counted as decode time."""
+        if arrays:
+            start = time.perf_counter()
+            mx.async_eval(*arrays)  # type: ignore[no-untyped-call]
+            seconds = time.perf_counter() - start
+            self._tally.stats.decode_seconds += seconds
+            self._step_cost.add(int(arrays[0].shape[0]), seconds)
+
+    def _plain(self, batch: DecodeBatch) -> Decoded:
+        inputs = batch.inputs
+        assert inputs is not None
+        logits, hidden = self._passes.run(inputs[:, None], batch.cache, [s.adapters for s in batch.seqs])
+        logits = logits[:, -1, :]
+        self._passes.quantize(batch.cache)
+        contexts: list[mx.array | None] = []
+        for i, seq in enumerate(batch.seqs):
+            if not seq.sampler.processors:
+                contexts.append(None)
+                continue
+            recent = seq.history[-(seq.sampler.history_window - 1):] if seq.sampler.history_window > 1 else []
+            current = inputs[i : i + 1]
+            contexts.append(mx.concatenate([mx.array(recent, dtype=mx.uint32), current]) if recent else current)
+        values: list[int] | None = None
+        if any(s.sampler.constraint is not None for s in batch.seqs):
+            # A grammar's mask for this step depends on the token sampled last step: read it first (the
+            # device waits for Python here; batches without constrained rows keep the overlap).
+            values = inputs.tolist()  # type: ignore[assignment]
+            assert values is not None
+            for i, seq in enumerate(batch.seqs):
+                if seq.sampler.constraint is not None and not seq.fresh:  # fresh: consumed when sampled
+                    seq.sampler.constraint.consume(values[i])
+        sample = sample_batch(logits, [s.sampler for s in batch.seqs], contexts)
+        launch = [sample.tokens, *(sample.report.arrays() if sample.report else ())]
+        if hidden is not None:
+            launch.append(hidden)  # the MTP layers draft from it: computed with the step
+        if self._pipelined:
+            # The device computes this step while Python reads and hands out the last one.
+            mx.async_eval(*launch)  # type: ignore[no-untyped-call]
+        if values is None:
+            values = inputs.tolist()  # type: ignore[assignment]
+            assert values is not None
+        logprobs = _read_report(batch, values)
+        decoded = Decoded([], [], [], sample.tokens, sample.report, launch=[] if self._pipelined else launch)
+        now = time.perf_counter()
+        for i, seq in enumerate(batch.seqs):
+            token = values[i]
+            if hidden is not None and isinstance(seq.draft, MTPDraftState):
+                seq.draft.observe(len(seq.prompt) + len(seq.fed), hidden[i])
+            seq.fed.append(token)
+            if seq.sampler.processors:
+                seq.history.append(token)
+                if len(seq.history) > 4 * seq.sampler.history_window:
+                    del seq.history[: -seq.sampler.history_window]
+            if seq.fresh:
+                seq.fresh = False  # its input was its first token, handed out when it was sampled
+                decoded.keep.append(i)
+                continue
+            first = seq.generated == 0
+            tokens, finish = seq.emit([token])
+            report = logprobs.get(seq) if tokens else None
+            if tokens and first:
+                self._tally.first_token(seq.submitted_at, now)
+            decoded.emitted += len(tokens)
+            decoded.chunks.append((seq, TokenChunk(tokens, finish, (report,) if report is not None else ())))
+            (decoded.keep if finish is None else decoded.finished).append(i)
+        return decoded
+
+
+def _read_report(batch: DecodeBatch, values: list[int]) -> dict[Sequence, TokenLogprob]:
+    """Logprob figures for this step's inputs, by sequence."""
+    if batch.report is None:
+        return {}
+    seqs, report = batch.report
+    row_of = {s: i for i, s in enumerate(batch.seqs)}
+    wanted = [seqs[r] for r in report.rows]  # rows of the batch as it was when it sampled
+    tokens = [values[row_of[s]] if s in row_of else 0 for s in wanted]
+    read = report.read(tokens, [s.sampler.top_logprobs or 0 for s in wanted])
+    return {s: lp for s, lp in zip(wanted, read) if s in row_of}

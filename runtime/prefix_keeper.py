@@ -1,0 +1,135 @@
+"""The engine's side of the prefix cache: what a sequence takes from it and what it gives back.
+
+A sequence's own cache starts from its prefix hit (:meth:`PrefixKeeper.new_cache`); its prompt's blocks go to
+the cache after every prefill chunk, and with ``cache_mode = "full"`` its prompt's and answer's when it finishes
+(:meth:`PrefixKeeper.keep`). On a hybrid model the recurrent layers' states go with them as snapshots: at the
+prompt's end and the finish, at its *turn point* (the last block boundary ``TURN_MARGIN`` tokens or more before
+the prompt's end, where the conversation's next turn still agrees with it) and at up to ``MAX_CHUNK_STATES``
+chunk ends — the deepest of which rolls forward, so a retried prompt resumes from it. Its prefill chunks end on
+block boundaries and at the turn point (:meth:`PrefixKeeper.snapshot_chunk`) so that the states exist there.
+
+Never imports the engine; the prefix cache and the cache surgery are the modules it stands on.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import cached_property
+from typing import Any
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from runtime.cache_surgery import row_slicer, row_state
+from runtime.passes import ModelPasses
+from runtime.prefix_cache import (
+    MAX_CHUNK_STATES,
+    BlockKeys,
+    PrefixCache,
+    Slicer,
+    StateReader,
+    Windows,
+    recurrent,
+    state_key,
+)
+from runtime.sequence import DecodeBatch, Sequence
+
+log = logging.getLogger("flow.engine")
+
+# A hybrid model's prompt also gets a state snapshot at the last block boundary this many tokens or more before
+# its end: a conversation's next turn repeats the prompt but its last tokens (the generation prompt, an empty
+# thinking block) are rendered otherwise once the answer follows them.
+TURN_MARGIN = 16
+
+
+class PrefixKeeper:
+    """One engine's use of its prefix cache (``cache`` None: the model has none, and every verb is cheap)."""
+
+    def __init__(self, cache: PrefixCache | None, windows: Windows, passes: ModelPasses) -> None:
+        self.cache = cache
+        self.windows = windows
+        self._passes = passes
+
+    @cached_property
+    def snapshots(self) -> bool:
+        """Whether the prefix cache keeps this model's recurrent states as snapshots (a hybrid model)."""
+        return self.cache is not None and recurrent(self.windows)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.cache.config.block_tokens if self.cache is not None else 1
+
+    def new_cache(self, seq: Sequence) -> list[Any]:
+        """A sequence's own cache: built from its prefix hit, or empty."""
+        if seq.hit is None or self.cache is None:
+            return make_prompt_cache(self._passes.model)
+        hit, seq.hit = seq.hit, None
+        cache = self.cache.build(hit)
+        self._passes.quantize(cache)  # a prefix past the start is quantized, as its first sequence's was
+        return cache
+
+    def drop_hit(self, seq: Sequence) -> None:
+        if seq.hit is not None and self.cache is not None:
+            self.cache.release(seq.hit)
+        seq.hit = None
+
+    def turn_point(self, seq: Sequence) -> int:
+        """Where a hybrid model's prompt gets a snapshot before its end: the last block boundary at least
+        ``TURN_MARGIN`` tokens before it (the next turn renders the prompt's last tokens differently)."""
+        b = self.block_tokens
+        return max(0, len(seq.prompt) - 1 - TURN_MARGIN) // b * b
+
+    def snapshot_chunk(self, seq: Sequence, n: int) -> int:
+        """A prefill chunk of ``n`` tokens as a hybrid model runs it: cut to end on a block boundary (its snapshot
+        then also goes to disk) and at the prompt's turn point (its snapshot serves the conversation's next turn).
+        Any other model's chunk is ``n``."""
+        if not self.snapshots:
+            return n
+        b = self.block_tokens
+        end = seq.prefilled + n
+        turn = self.turn_point(seq)
+        if seq.prefilled < turn < end:
+            return turn - seq.prefilled
+        if end < len(seq.prompt) - 1 and end // b * b > seq.prefilled:
+            return end // b * b - seq.prefilled
+        return n
+
+    def keep(self, seq: Sequence, slicer: Slicer, tokens: list[int] | None = None,
+             state: StateReader | None = None) -> None:
+        """Give the prefix cache the blocks it lacks of ``tokens``: prompt and answer when the sequence has
+        finished, else its prefilled prompt. A session's turn is its last store (its finish, or its prompt in
+        ``prefix`` mode). ``state`` reads a hybrid model's recurrent states there: a snapshot at the prompt's
+        end, its turn point and the finish, at its first ``MAX_CHUNK_STATES - 1`` prefill-chunk ends, and at its
+        deepest one (each later chunk end's snapshot replaces the one before: a retry resumes from it)."""
+        if self.cache is None:
+            return
+        last = tokens is not None or seq.policy.mode == "prefix"
+        ends = tokens is not None or seq.prefilled >= len(seq.prompt) - 1  # the prompt's end, or the finish
+        if not self.snapshots:
+            state = None
+        rolling = False
+        if state is not None and not ends and seq.prefilled != self.turn_point(seq):
+            seq.chunk_states += 1
+            rolling = seq.chunk_states >= MAX_CHUNK_STATES
+        if seq.keys is None:
+            seq.keys = BlockKeys(seq.namespace, self.cache.config.block_tokens)
+        try:
+            self.cache.store(seq.namespace, tokens if tokens is not None else seq.keyed[: seq.prefilled], slicer,
+                             tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
+                             session_id=seq.policy.session_id if last else None, keys=seq.keys, state=state)
+            b = self.cache.config.block_tokens
+            if rolling and seq.prefilled % b == 0 and len(seq.keys.keys) >= seq.prefilled // b > 0:
+                if seq.rolling_state is not None:
+                    self.cache.forget_state(seq.rolling_state)
+                seq.rolling_state = state_key(seq.keys.keys[seq.prefilled // b - 1])
+        except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
+            log.exception("prefix cache: could not store a sequence's blocks")
+
+    def keep_finished(self, batch: DecodeBatch, rows: list[int]) -> None:
+        """With ``cache_mode = "full"``: the finished rows' prompts and answers, read from their batch rows
+        before the rows are dropped."""
+        if self.cache is None:
+            return
+        for i in rows:
+            seq = batch.seqs[i]
+            if seq.policy.mode == "full":
+                self.keep(seq, row_slicer(batch.cache, i), seq.keyed + seq.fed, state=row_state(batch.cache, i))

@@ -1,0 +1,266 @@
+"""A sequence as the engine holds it, the rows of a batch cache, and the trio side's handle.
+
+A :class:`Sequence` is one choice of one request: its prompt, sampler and progress (prefilled, fed,
+generated), its own cache while it waits, and what the prefix cache and a vision model attach to it. The
+sequences that decode together are the rows of :class:`Rows` — one left-padded batch cache per layer — and the
+decode batch (:class:`DecodeBatch`) adds each row's next input. Which phase moves a sequence from where to where
+is ``runtime/engine.py``'s; this module only holds the state and its small verbs.
+
+Never imports the engine, the prefix cache or the device thread: the engine and its collaborators
+(``runtime/prefill.py``, ``runtime/decode.py``, ``runtime/speculative_step.py``) import these types.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import mlx.core as mx
+import trio
+
+from protocols.ir import CachePolicy, FinishReason, PromptImages, TokenChunk
+from runtime import quantized_kv
+from runtime.adapters import Adapter
+from runtime.cache_surgery import merge_caches
+from runtime.image_spans import key_tokens
+from runtime.prefix_cache import BlockKeys, PrefixHit
+from runtime.sampling import LogprobReport, SequenceSampler
+from runtime.speculative import DraftState
+
+
+class SequenceHandle:
+    """The trio side of one sequence: its chunks, and a way to cancel it."""
+
+    def __init__(self, seq_id: int, send: trio.MemorySendChannel[TokenChunk],
+                 receive: trio.MemoryReceiveChannel[TokenChunk], on_cancel: Callable[[int], None]) -> None:
+        self.id = seq_id
+        self.chunks = receive
+        self._send = send
+        self._on_cancel = on_cancel
+        self.error: BaseException | None = None
+        self.finished = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
+        self.cache_write_tokens = 0  # prompt tokens this sequence adds to the prefix cache's (full) blocks
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this sequence at its next step (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._on_cancel(self.id)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Close the stream (trio side): finished, or failed with ``error``."""
+        if error is not None:
+            self.error = error
+        self.finished = True
+        self._send.close()
+
+    def put(self, chunk: TokenChunk | None) -> None:
+        """Trio side: one chunk of this sequence (None: it failed; its ``error`` says why)."""
+        if chunk is None:
+            self.end()
+            return
+        try:
+            self._send.send_nowait(chunk)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.cancel()  # the reader went away: drop the sequence
+            return
+        if chunk.finish_reason is not None:
+            self.end()
+
+    async def __aenter__(self) -> SequenceHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+        self.chunks.close()
+
+
+@dataclass(eq=False)
+class Sequence:
+    handle: SequenceHandle
+    token: trio.lowlevel.TrioToken | None  # the trio run to deliver to (None: a follower rank's replica)
+    prompt: list[int]
+    max_tokens: int
+    stop_ids: frozenset[int]
+    sampler: SequenceSampler
+    policy: CachePolicy = CachePolicy()
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters applied to its rows (stacked in this order)
+    namespace: bytes = b""  # its prefix-cache namespace: the model's, or the model's with its adapters'
+    hit: PrefixHit | None = None  # prefix-cache blocks to build ``cache`` from, until it is built
+    keys: BlockKeys | None = None  # its block keys, extended by each store
+    cache: list[Any] | None = None  # its own cache while waiting; None once merged into the batch
+    prefilled: int = 0  # prompt tokens in ``cache`` (or in ``hit``)
+    chunk_states: int = 0  # recurrent-state snapshots it stored at prefill-chunk ends
+    rolling_state: bytes | None = None  # past that bound: the key of its deepest chunk-end snapshot
+    fed: list[int] = field(default_factory=list)  # generated tokens that went back in as inputs
+    fresh: bool = False  # in the batch, and its input this step is its first token (already handed out)
+    generated: int = 0
+    history: list[int] = field(default_factory=list)  # recent tokens before the current input (penalties)
+    # More choices of the same request: they wait with this sequence, and join the batch with copies of its cache.
+    followers: list[Sequence] = field(default_factory=list)
+    draft: DraftState | None = None  # speculative decoding: its history and draft length (made on first use)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    images: PromptImages | None = None  # a vision model's prompt with images (their arrays and token spans)
+    embeds: mx.array | None = None  # its prompt's input embeddings while an image span is left to prefill
+    tower: concurrent.futures.Future[mx.array] | None = None  # its images' vision-tower job, while it runs
+
+    @cached_property
+    def keyed(self) -> list[int]:
+        """Its prompt as the prefix cache keys it: image positions by their images' digests."""
+        return self.prompt if self.images is None else key_tokens(self.prompt, self.images.spans)
+
+    @property
+    def to_prefill(self) -> int:
+        """Prompt tokens still to prefill: all but the last (which runs in the pass that samples the first token)."""
+        return len(self.prompt) - 1 - self.prefilled
+
+    @property
+    def startable(self) -> bool:
+        """Nothing left to prefill (its whole prompt cached, or its last chunk done), and it starts as one row."""
+        return not self.followers and self.images is None and self.to_prefill < 1
+
+    def emit(self, candidates: list[int]) -> tuple[tuple[int, ...], FinishReason | None]:
+        """The tokens it hands out of ``candidates`` (sampled, or a draft's accepted ones), in order, up to a stop
+        token (not handed out) or its ``max_tokens``; and why it finished, if it did."""
+        tokens: list[int] = []
+        for token in candidates:
+            if token in self.stop_ids:
+                return tuple(tokens), "stop"
+            tokens.append(token)
+            self.generated += 1
+            if self.generated >= self.max_tokens:
+                return tuple(tokens), "length"
+        return tuple(tokens), None
+
+
+class Rows:
+    """Sequences whose KV caches are the rows of one batch cache per layer (left-padded)."""
+
+    def __init__(self, seqs: list[Sequence] | None = None, cache: list[Any] | None = None) -> None:
+        self.seqs: list[Sequence] = seqs or []
+        self.cache: list[Any] = cache or []
+        self.first: list[int] = []  # started rows: each one's first token, its next input
+
+    @classmethod
+    def merge(cls, seqs: list[Sequence]) -> Rows:
+        """Rows made from the sequences' own single-sequence caches, which they give up."""
+        rows = cls(list(seqs), merge_caches([s.cache or [] for s in seqs]))
+        for seq in seqs:
+            seq.cache = None
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def extend(self, other: Rows) -> None:
+        if not self.seqs:
+            self.seqs, self.cache, self.first = list(other.seqs), other.cache, list(other.first)
+            return
+        self.cache = [quantized_kv.extend_layer(mine, theirs) for mine, theirs in zip(self.cache, other.cache)]
+        self.seqs.extend(other.seqs)
+        self.first.extend(other.first)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only these rows (in order); the others' KV memory is released."""
+        if len(keep) == len(self.seqs):
+            return
+        if not keep:
+            self.seqs, self.cache, self.first = [], [], []
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.seqs = [self.seqs[i] for i in keep]
+        if self.first:
+            self.first = [self.first[i] for i in keep]
+
+    def drop(self, cancelled: set[int]) -> int:
+        """Drop the rows of cancelled sequences; how many went."""
+        keep = [i for i, s in enumerate(self.seqs) if s.handle.id not in cancelled]
+        gone = len(self.seqs) - len(keep)
+        self.keep(keep)
+        return gone
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.nbytes) for c in self.cache)
+
+
+class DecodeBatch(Rows):
+    """The rows decoding together, with each row's next input token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs: mx.array | None = None  # [B] each row's next input token
+        # Logprob figures for ``inputs``, for the sequences (as they were then) that asked.
+        self.report: tuple[list[Sequence], LogprobReport] | None = None
+
+    def add(self, rows: Rows) -> None:
+        """Started rows join; each one's first token is its next input."""
+        first = mx.array(rows.first, dtype=mx.uint32)
+        self.inputs = first if self.inputs is None or not self.seqs else mx.concatenate([self.inputs, first])
+        for seq in rows.seqs:
+            seq.fresh = True
+            if seq.sampler.processors:
+                seq.history = seq.prompt[-seq.sampler.history_window :]
+        self.extend(rows)
+        self.first = []
+
+    def keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.seqs):
+            return
+        super().keep(keep)
+        if not keep:
+            self.inputs, self.report = None, None
+        else:
+            assert self.inputs is not None
+            self.inputs = self.inputs[mx.array(keep)]
+
+    def clear(self) -> list[Sequence]:
+        """Empty the batch (its rows failed or the group is gone); the sequences it held."""
+        seqs = self.seqs
+        self.keep([])
+        return seqs
+
+
+@dataclass
+class Decoded:
+    """What one decode step decided for the batch's rows: the chunks they hand out, which rows go on and which
+    finished (indices into the batch as it was), each row's next input, and the pass left to compute (CPU)."""
+
+    chunks: list[tuple[Sequence, TokenChunk]]
+    keep: list[int]
+    finished: list[int]
+    inputs: mx.array
+    report: LogprobReport | None = None  # logprob figures for ``inputs``, for the rows that asked
+    emitted: int = 0  # tokens handed out
+    launch: list[mx.array] = field(default_factory=list)
+
+
+def without(queue: deque[Sequence], cancelled: set[int]) -> tuple[deque[Sequence], list[Sequence]]:
+    """A queue of waiting sequences without the cancelled ones (and the list of those). A cancelled sequence
+    whose choices live on hands its place — cache, prefix hit, prefill progress — to the first of them."""
+    if not any(s.handle.id in cancelled or any(f.handle.id in cancelled for f in s.followers) for s in queue):
+        return queue, []
+    kept: deque[Sequence] = deque()
+    dropped: list[Sequence] = []
+    for seq in queue:
+        alive = [f for f in seq.followers if f.handle.id not in cancelled]
+        dropped += [f for f in seq.followers if f.handle.id in cancelled]
+        seq.followers = alive
+        if seq.handle.id not in cancelled:
+            kept.append(seq)
+            continue
+        dropped.append(seq)
+        if alive:
+            heir = alive[0]
+            heir.cache, heir.hit, heir.prefilled, heir.keys = seq.cache, seq.hit, seq.prefilled, seq.keys
+            heir.followers = alive[1:]
+            seq.cache, seq.hit, seq.followers = None, None, []
+            kept.append(heir)
+    return kept, dropped
