@@ -598,12 +598,16 @@ SpeechEvent = Union[SpeechChunk, SpeechDone]
 
 @dataclass(frozen=True)
 class WireFrame:
-    """Bytes for the client. The first frame of a response carries its head."""
+    """Bytes for the client. The first frame of a response carries its head; a stream's first frame also
+    says how the stream is kept open while it is quiet (a long prefill): ``keepalive`` (bytes clients ignore)
+    after every ``keepalive_seconds`` without a frame (none: no keepalive)."""
 
     data: bytes
     status: int = 200
     headers: tuple[tuple[str, str], ...] = ()
     streaming: bool = False
+    keepalive: bytes = b""
+    keepalive_seconds: float = 0.0
 
 
 @dataclass

@@ -29,7 +29,7 @@ import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from flow.graph.resource import Reference
-from flow.graph.stage import Outbox, StageConfig, on_request_end
+from flow.graph.stage import StageConfig, on_request_end
 from flow.resources.agent_store import AGENT_ID, AGENT_ID_RULE, Agent, AgentStore, session_id
 from protocols import openai_chat
 from protocols.errors import ApiError
@@ -194,9 +194,9 @@ class AgentsGenerateDecode(ProtocolDecode):
         super().setup()
         self.store = self.links.one("store", AgentStore)
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
-        async for http in inbox:  # reading a long history is file IO: off the event loop
-            await outbox.send(await decode_on_worker(self.decode, http, int(time.time())))
+    async def decode_request(self, http: HttpRequest) -> ChatRequest:
+        # reading a long history is file IO: off the event loop
+        return await decode_on_worker(self.decode, http, int(time.time()))
 
     def decode(self, http: HttpRequest, created: int) -> ChatRequest:
         agent_id = http.param("agent_id")

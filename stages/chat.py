@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 from pydantic import Field
 
 from flow.catalog.families import Family, template_text
-from flow.graph.stage import Outbox, StageConfig
+from flow.graph.stage import EachItem, Outbox, StageConfig, Step
 from flow.resources.model import ModelResource
 from protocols.errors import ApiError
 from protocols.images import DecodedImage
@@ -266,28 +266,27 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
                  "turns (%d tokens now)", self.id, len(full[1]), limit, dropped, len(turns), len(prompt[1]))
         return prompt
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[ChatRequest], outbox: Outbox[PreparedPrompt]) -> None:
-        async for request in inbox:
-            resource = self.models.lookup(request.model)
-            if request.load_only and request.keep_alive == 0:  # "let it go": nothing to load
-                if resource.ready:
-                    resource.keep_for(0)
-                await outbox.send(PreparedPrompt(request, resource.name, (), frozenset(), 0))
-                continue
-            await resource.ensure_loaded()  # a lazy or evicted model loads now
-            resource.keep_for(request.keep_alive)
-            if request.load_only:  # loading was all it asked for: nothing to template
-                await outbox.send(PreparedPrompt(request, resource.name, (), frozenset(), 0))
-                continue
-            async with self._pixels.reserve() as pixels:  # held while the images are decoded and preprocessed
-                images: list[DecodedImage] = []
-                if resource.kind == "vision" and any(m.images for m in request.messages):
-                    images = await load_images(request.messages, self.config.images,  # type: ignore[attr-defined]
-                                               self._decoded, pixels)
-                # Templating and tokenizing an agent-sized prompt (and an image's pixels) takes milliseconds: keep
-                # it off the event loop.
-                prepared = await trio.to_thread.run_sync(self.prepare, request, images)
-            await outbox.send(prepared)
+    def open_step(self) -> Step[ChatRequest, PreparedPrompt]:
+        return EachItem(self._prepared)
+
+    async def _prepared(self, request: ChatRequest) -> PreparedPrompt:
+        resource = self.models.lookup(request.model)
+        if request.load_only and request.keep_alive == 0:  # "let it go": nothing to load
+            if resource.ready:
+                resource.keep_for(0)
+            return PreparedPrompt(request, resource.name, (), frozenset(), 0)
+        await resource.ensure_loaded()  # a lazy or evicted model loads now
+        resource.keep_for(request.keep_alive)
+        if request.load_only:  # loading was all it asked for: nothing to template
+            return PreparedPrompt(request, resource.name, (), frozenset(), 0)
+        async with self._pixels.reserve() as pixels:  # held while the images are decoded and preprocessed
+            images: list[DecodedImage] = []
+            if resource.kind == "vision" and any(m.images for m in request.messages):
+                images = await load_images(request.messages, self.config.images,  # type: ignore[attr-defined]
+                                           self._decoded, pixels)
+            # Templating and tokenizing an agent-sized prompt (and an image's pixels) takes milliseconds: keep
+            # it off the event loop.
+            return await trio.to_thread.run_sync(self.prepare, request, images)
 
 
 def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> StreamParser | None:
@@ -319,36 +318,65 @@ class ChatProcess(ModelStage[Generation, StreamEvent]):
     Config = ModelStageConfig
     description = "detokenizes (multi-byte safe), matches stop strings with hold-back, reports finish and usage"
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[Generation], outbox: Outbox[StreamEvent]) -> None:
-        header = await inbox.receive()
+    def open_step(self) -> Step[Generation, StreamEvent]:
+        return _Processing(self)
+
+
+class _Processing(Step[Generation, StreamEvent]):
+    """One response: its header, then each chunk turned into events, choice by choice; it wants no more once
+    every choice has finished (then generate drops the sequences)."""
+
+    def __init__(self, stage: ChatProcess) -> None:
+        self.stage = stage
+        self.request: ChatRequest | None = None
+        self.choices: list[_ChoiceStream] = []
+        self.running = 0
+        self.answered_empty = False  # a load-only request's empty answer went out
+
+    async def feed(self, item: Generation, out: Outbox[StreamEvent]) -> bool:
+        request = self.request
+        if request is None:
+            return await self._start(item, out)
+        assert isinstance(item, TokenChunk)
+        if request.load_only:  # nothing was generated (the model may not even be loaded): empty and finished
+            if item.finish_reason is None:
+                return True
+            await self._empty(request, out)
+            return False
+        choice = self.choices[item.choice]
+        for event in choice.feed(item):
+            await out.send(event)
+        if choice.done:
+            self.running -= 1
+        return self.running > 0
+
+    async def _start(self, header: Generation, out: Outbox[StreamEvent]) -> bool:
         if not isinstance(header, GenerationStarted):
             raise TypeError(f"chat.process expects GenerationStarted first, got {type(header).__name__}")
         prompt = header.prompt
-        request = prompt.request
-        if request.load_only:  # nothing was generated (the model may not even be loaded): empty and finished
-            async for chunk in inbox:
-                if isinstance(chunk, TokenChunk) and chunk.finish_reason is not None:
-                    break
-            await outbox.send(ResponseStarted(request, 0))
-            await outbox.send(ResponseFinished("stop", Usage()))
-            return
-        resource = self.models.lookup(prompt.model)
+        request = self.request = prompt.request
+        if request.load_only:
+            return True
+        resource = self.stage.models.lookup(prompt.model)
         tokenizer = resource.require().tokenizer
-        choices = [_ChoiceStream(header, tokenizer, response_parser(request, resource.family, prompt.text), i)
-                   for i in range(request.n)]
-        await outbox.send(ResponseStarted(prompt.request, header.prompt_tokens, header.cached_tokens, prompt.text,
-                                          header.cache_write_tokens))
-        running = request.n
-        async for chunk in inbox:
-            assert isinstance(chunk, TokenChunk)
-            choice = choices[chunk.choice]
-            for event in choice.feed(chunk):
-                await outbox.send(event)
-            if choice.done:
-                running -= 1
-                if not running:
-                    return  # closing our inbox tells generate to drop the sequences
-        raise ApiError("internal", "generation ended without a finish reason")
+        self.choices = [_ChoiceStream(header, tokenizer, response_parser(request, resource.family, prompt.text), i)
+                        for i in range(request.n)]
+        self.running = request.n
+        await out.send(ResponseStarted(request, header.prompt_tokens, header.cached_tokens, prompt.text,
+                                       header.cache_write_tokens))
+        return True
+
+    async def _empty(self, request: ChatRequest, out: Outbox[StreamEvent]) -> None:
+        self.answered_empty = True
+        await out.send(ResponseStarted(request, 0))
+        await out.send(ResponseFinished("stop", Usage()))
+
+    async def end(self, out: Outbox[StreamEvent]) -> None:
+        if self.request is not None and self.request.load_only:
+            if not self.answered_empty:
+                await self._empty(self.request, out)
+        elif self.running or self.request is None:
+            raise ApiError("internal", "generation ended without a finish reason")
 
 
 class _ChoiceStream:

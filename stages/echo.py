@@ -30,11 +30,11 @@ import trio
 import trio.testing
 from pydantic import Field
 
-from flow.graph.stage import Outbox
+from flow.graph.stage import Outbox, Step
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
-from stages.rows import forward_rows
+from stages.rows import EachPrompt, forward_rows
 
 
 class EchoRow:
@@ -131,17 +131,17 @@ class EchoGenerate(ModelStage[PreparedPrompt, Generation]):
         super().setup()
         self.device = EchoDevice(self.config.step_seconds)
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
-        async for prompt in inbox:
-            if prompt.request.load_only:  # as generate answers it: empty and finished
-                await outbox.send(GenerationStarted(prompt, 0))
-                await outbox.send(TokenChunk((), "stop"))
-                continue
-            tokenizer = self.models.lookup(prompt.model).require().tokenizer
-            users = [m.content for m in prompt.request.messages if m.role == "user"]
-            text = users[-1] if users else (prompt.request.prompt if isinstance(prompt.request.prompt, str) else "")
-            script = list(tokenizer.encode(text, add_special_tokens=False))
-            rows = [self.device.submit(script, prompt.max_tokens, prompt.stop_token_ids)
-                    for _ in range(prompt.request.n)]
-            if not await forward_rows(GenerationStarted(prompt, len(prompt.token_ids)), rows, outbox):
-                return
+    def open_step(self) -> Step[PreparedPrompt, Generation]:
+        return EachPrompt(self.generate)
+
+    async def generate(self, prompt: PreparedPrompt, outbox: Outbox[Generation]) -> bool:
+        if prompt.request.load_only:  # as generate answers it: empty and finished
+            await outbox.send(GenerationStarted(prompt, 0))
+            await outbox.send(TokenChunk((), "stop"))
+            return True
+        tokenizer = self.models.lookup(prompt.model).require().tokenizer
+        users = [m.content for m in prompt.request.messages if m.role == "user"]
+        text = users[-1] if users else (prompt.request.prompt if isinstance(prompt.request.prompt, str) else "")
+        script = list(tokenizer.encode(text, add_special_tokens=False))
+        rows = [self.device.submit(script, prompt.max_tokens, prompt.stop_token_ids) for _ in range(prompt.request.n)]
+        return await forward_rows(GenerationStarted(prompt, len(prompt.token_ids)), rows, outbox)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar
 import trio
 from pydantic import Field
 
-from flow.graph.stage import Outbox, note_request
+from flow.graph.stage import Outbox, Step, note_request
 from flow.resources.model import ModelResource
 from protocols.errors import ApiError
 from protocols.ir import (
@@ -25,7 +25,7 @@ from runtime.engine_config import EngineOverloaded
 from runtime.image_spans import key_tokens
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
-from stages.rows import forward_rows
+from stages.rows import EachPrompt, forward_rows
 
 if TYPE_CHECKING:
     from flow.catalog.families import Family
@@ -97,45 +97,48 @@ class Generate(ModelStage[PreparedPrompt, Generation]):
     description = "runs the prompt on the device thread's engine; one chunk per engine step (per choice)"
     config: GenerateConfig
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[PreparedPrompt], outbox: Outbox[Generation]) -> None:
-        async for prompt in inbox:
-            request = prompt.request
-            if request.n > self.config.max_choices:
-                raise ApiError("invalid_request", f"'n' is {request.n}; this server gives at most "
-                               f"{self.config.max_choices} choices per request.", param="n")
-            if request.load_only:  # the model is loaded (chat.prepare saw to it): an empty, finished answer
-                await outbox.send(GenerationStarted(prompt, 0))
-                await outbox.send(TokenChunk((), "stop"))
-                continue
-            resource = self.models.lookup(prompt.model)
-            loaded = resource.require()
-            engine = loaded.engine
-            if engine.distributed:
-                refuse_distributed(request, resource)
-            # Each choice has its own grammar state (compiled once, cached) and its own seed stream.
-            constraints = [await output_constraint(prompt, loaded, resource.family) for _ in range(request.n)]
-            sampling = request.sampling
-            choices = [(sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i),
-                        constraint) for i, constraint in enumerate(constraints)]
-            adapters = resource.adapters.select(request.model, request.adapter)
-            tokens = list(prompt.token_ids)
-            note_request(model=resource.name, prompt_tokens=len(tokens))
-            policy = request.cache
-            # Image positions are keyed by their pixels' digests: the same screenshot next turn is a hit.
-            keyed = tokens if prompt.images is None else key_tokens(tokens, prompt.images.spans)
-            hit = await engine.match_prefix(keyed, policy, adapters)
-            try:
-                handles = engine.submit_choices(tokens, choices, max_tokens=prompt.max_tokens,
-                                                stop_ids=prompt.stop_token_ids, prefix=hit, policy=policy,
-                                                adapters=adapters, images=prompt.images)
-            except EngineOverloaded as exc:
-                raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
-                               f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
-            # However forwarding ends (done, downstream finished early, client gone) the sequences are
-            # cancelled; the engine drops them next step.
-            started = GenerationStarted(prompt, len(tokens), handles[0].cached_tokens, handles[0].cache_write_tokens)
-            if not await forward_rows(started, handles, outbox):
-                return  # downstream has all it wants (e.g. a stop string matched)
+    def open_step(self) -> Step[PreparedPrompt, Generation]:
+        return EachPrompt(self.generate)
+
+    async def generate(self, prompt: PreparedPrompt, outbox: Outbox[Generation]) -> bool:
+        """Run one prompt on the engine, its chunks sent on as they come; ``False`` when downstream stopped
+        reading first."""
+        request = prompt.request
+        if request.n > self.config.max_choices:
+            raise ApiError("invalid_request", f"'n' is {request.n}; this server gives at most "
+                           f"{self.config.max_choices} choices per request.", param="n")
+        if request.load_only:  # the model is loaded (chat.prepare saw to it): an empty, finished answer
+            await outbox.send(GenerationStarted(prompt, 0))
+            await outbox.send(TokenChunk((), "stop"))
+            return True
+        resource = self.models.lookup(prompt.model)
+        loaded = resource.require()
+        engine = loaded.engine
+        if engine.distributed:
+            refuse_distributed(request, resource)
+        # Each choice has its own grammar state (compiled once, cached) and its own seed stream.
+        constraints = [await output_constraint(prompt, loaded, resource.family) for _ in range(request.n)]
+        sampling = request.sampling
+        choices = [(sampling if sampling.seed is None or i == 0 else replace(sampling, seed=sampling.seed + i),
+                    constraint) for i, constraint in enumerate(constraints)]
+        adapters = resource.adapters.select(request.model, request.adapter)
+        tokens = list(prompt.token_ids)
+        note_request(model=resource.name, prompt_tokens=len(tokens))
+        policy = request.cache
+        # Image positions are keyed by their pixels' digests: the same screenshot next turn is a hit.
+        keyed = tokens if prompt.images is None else key_tokens(tokens, prompt.images.spans)
+        hit = await engine.match_prefix(keyed, policy, adapters)
+        try:
+            handles = engine.submit_choices(tokens, choices, max_tokens=prompt.max_tokens,
+                                            stop_ids=prompt.stop_token_ids, prefix=hit, policy=policy,
+                                            adapters=adapters, images=prompt.images, label=request.request_id)
+        except EngineOverloaded as exc:
+            raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
+                           f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None
+        # However forwarding ends (done, downstream finished early, client gone) the sequences are
+        # cancelled; the engine drops them next step.
+        started = GenerationStarted(prompt, len(tokens), handles[0].cached_tokens, handles[0].cache_write_tokens)
+        return await forward_rows(started, handles, outbox)
 
 
 def refuse_distributed(request: ChatRequest, resource: ModelResource) -> None:

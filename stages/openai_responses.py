@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import trio
 
 from flow.graph.resource import Reference
-from flow.graph.stage import Outbox, StageConfig
+from flow.graph.stage import StageConfig
 from flow.resources.response_store import ResponseStore
 from protocols import openai_responses
 from protocols.errors import ApiError
@@ -51,9 +51,9 @@ class OpenAIResponsesDecode(ProtocolDecode):
         super().setup()
         self.store = self.links.one("store", ResponseStore)
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
-        async for http in inbox:  # previous_response_id reads the store's file: off the event loop
-            await outbox.send(await decode_on_worker(self.decode, http, int(time.time())))
+    async def decode_request(self, http: HttpRequest) -> ChatRequest:
+        # previous_response_id reads the store's file: off the event loop
+        return await decode_on_worker(self.decode, http, int(time.time()))
 
     def _previous(self, response_id: str) -> tuple[Message, ...] | None:
         entry = self.store.get(response_id)

@@ -17,9 +17,9 @@ import trio
 from pydantic import Field
 
 from flow.graph.isolation import Budget, BudgetExceeded, ChildFailed, run_bounded
-from flow.graph.stage import EntryStage, ExitStage, Outbox, StageConfig, note_request
+from flow.graph.stage import EachItem, EntryStage, ExitStage, Outbox, StageConfig, Step, note_request
 from protocols import documents
-from protocols.codec import JSON_HEADERS
+from protocols.codec import JSON_HEADERS, StreamEncoder
 from protocols.errors import ApiError
 from protocols.ir import (
     ChatRequest,
@@ -141,9 +141,11 @@ class BodyDecode(EntryStage[HttpRequest, Out]):
     def decode(self, http: HttpRequest) -> Out:
         raise NotImplementedError
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[Out]) -> None:
-        async for http in inbox:
-            await outbox.send(await decode_off_loop(self.decode, http))
+    async def _decoded(self, http: HttpRequest) -> Out:
+        return await decode_off_loop(self.decode, http)
+
+    def open_step(self) -> Step[HttpRequest, Out]:
+        return EachItem(self._decoded)
 
 
 class JsonFormat(ExitStage[In, WireFrame]):
@@ -152,9 +154,11 @@ class JsonFormat(ExitStage[In, WireFrame]):
     def encode(self, item: In) -> Any:
         raise NotImplementedError
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[WireFrame]) -> None:
-        async for item in inbox:
-            await outbox.send(WireFrame(await dumps_in_pieces(self.encode(item)), headers=JSON_HEADERS))
+    async def _frame(self, item: In) -> WireFrame:
+        return WireFrame(await dumps_in_pieces(self.encode(item)), headers=JSON_HEADERS)
+
+    def open_step(self) -> Step[In, WireFrame]:
+        return EachItem(self._frame)
 
 
 class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
@@ -163,9 +167,12 @@ class ProtocolDecode(EntryStage[HttpRequest, ChatRequest]):
     def decode(self, http: HttpRequest, created: int) -> ChatRequest:
         raise NotImplementedError
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[ChatRequest]) -> None:
-        async for http in inbox:
-            await outbox.send(await decode_off_loop(self.decode, http, int(time.time())))
+    async def decode_request(self, http: HttpRequest) -> ChatRequest:
+        """:meth:`decode` without stalling the event loop (a stage that reads a file decodes on a worker)."""
+        return await decode_off_loop(self.decode, http, int(time.time()))
+
+    def open_step(self) -> Step[HttpRequest, ChatRequest]:
+        return EachItem(self.decode_request)
 
 
 class EndpointStage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, WireFrame]):
@@ -175,9 +182,11 @@ class EndpointStage(EntryStage[HttpRequest, WireFrame], ExitStage[HttpRequest, W
     async def answer(self, http: HttpRequest) -> Any:
         raise NotImplementedError
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[HttpRequest], outbox: Outbox[WireFrame]) -> None:
-        async for http in inbox:
-            await outbox.send(json_frame(await self.answer(http)))
+    async def _frame(self, http: HttpRequest) -> WireFrame:
+        return json_frame(await self.answer(http))
+
+    def open_step(self) -> Step[HttpRequest, WireFrame]:
+        return EachItem(self._frame)
 
 
 class FormatConfig(StageConfig):
@@ -189,46 +198,64 @@ class ProtocolFormat(ExitStage[StreamEvent, WireFrame]):
     """Exit stage: SSE frames as events arrive, or one JSON body at the end."""
 
     Config = FormatConfig
+
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         """Called once the whole response is known (the Responses store keeps it, the agents API
         appends it to the agent's history), before its last bytes are sent: a client that follows
         up as soon as it has the response finds it recorded."""
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[StreamEvent], outbox: Outbox[WireFrame]) -> None:
-        header = await inbox.receive()
-        if not isinstance(header, ResponseStarted):
-            raise TypeError(f"{self.type_name} expects ResponseStarted first, got {type(header).__name__}")
-        builder = ResultBuilder()
-        builder.add(header)
-        if header.request.stream:
-            encoder = self.codec.stream_encoder(header)
-            headers = getattr(self.codec, "stream_headers", SSE_HEADERS)  # SSE, or a codec's own (NDJSON)
-            await outbox.send(WireFrame(b"".join(encoder.start()), headers=headers, streaming=True))
-            keepalive = self.config.keepalive_seconds  # type: ignore[attr-defined]
-            while True:
-                with trio.move_on_after(keepalive) as idle:
-                    try:
-                        event = await inbox.receive()
-                    except trio.EndOfChannel:
-                        break
-                if idle.cancelled_caught:
-                    await outbox.send(WireFrame(b"".join(encoder.keepalive())))
-                    continue
-                builder.add(event)
-                if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
-                    result = builder.result()
-                    note_request(completion_tokens=result.usage.completion_tokens)
-                    await self.finished(result, self.codec.encode_final(result))
-                frames = encoder.encode(event)
-                if frames:
-                    await outbox.send(WireFrame(b"".join(frames)))
-            if builder.finished is None:
-                builder.result()  # raises: the stream ended without its finish event
-            return
-        async for event in inbox:
+    def open_step(self) -> Step[StreamEvent, WireFrame]:
+        return _Formatting(self)
+
+
+class _Formatting(Step[StreamEvent, WireFrame]):
+    """One response's formatting: its header, then each event as frames (a stream) or folded into the
+    result (one JSON body at the end). A stream's first frame says how to keep it open while it is quiet;
+    the server writes that keepalive (flow.serve.exit)."""
+
+    def __init__(self, stage: ProtocolFormat) -> None:
+        self.stage = stage
+        self.builder = ResultBuilder()
+        self.started = False
+        self.encoder: StreamEncoder | None = None
+
+    async def feed(self, event: StreamEvent, out: Outbox[WireFrame]) -> bool:
+        stage, builder = self.stage, self.builder
+        if not self.started:
+            if not isinstance(event, ResponseStarted):
+                raise TypeError(f"{stage.type_name} expects ResponseStarted first, got {type(event).__name__}")
+            self.started = True
             builder.add(event)
-        result = builder.result()
+            if event.request.stream:
+                codec = stage.codec
+                opened = self.encoder = codec.stream_encoder(event)
+                headers = getattr(codec, "stream_headers", SSE_HEADERS)  # SSE, or a codec's own (NDJSON)
+                await out.send(WireFrame(b"".join(opened.start()), headers=headers, streaming=True,
+                                         keepalive=b"".join(opened.keepalive()),
+                                         keepalive_seconds=stage.config.keepalive_seconds))  # type: ignore[attr-defined]
+            return True
+        builder.add(event)
+        encoder = self.encoder
+        if encoder is None:
+            return True  # one JSON body, at the end
+        if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
+            result = builder.result()
+            note_request(completion_tokens=result.usage.completion_tokens)
+            await stage.finished(result, stage.codec.encode_final(result))
+        frames = encoder.encode(event)
+        if frames:
+            await out.send(WireFrame(frames[0] if len(frames) == 1 else b"".join(frames)))
+        return True
+
+    async def end(self, out: Outbox[WireFrame]) -> None:
+        if not self.started:
+            raise RuntimeError(f"{self.stage.type_name}: the event stream ended before its header")
+        if self.encoder is not None:
+            if self.builder.finished is None:
+                self.builder.result()  # raises: the stream ended without its finish event
+            return
+        result = self.builder.result()
         note_request(completion_tokens=result.usage.completion_tokens)
-        body = self.codec.encode_final(result)
-        await self.finished(result, body)
-        await outbox.send(json_frame(body))
+        body = self.stage.codec.encode_final(result)
+        await self.stage.finished(result, body)
+        await out.send(json_frame(body))

@@ -9,15 +9,26 @@ so the engine drops it at its next step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
 import trio
 
-from flow.graph.stage import Outbox
+from flow.graph.stage import Outbox, Step
 from protocols.errors import ApiError
-from protocols.ir import Generation, GenerationStarted, TokenChunk
+from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+
+
+class EachPrompt(Step[PreparedPrompt, Generation]):
+    """The step of a stage that generates: each prompt run by ``generate(prompt, out)``, which returns whether
+    downstream still reads."""
+
+    def __init__(self, generate: Callable[[PreparedPrompt, Outbox[Generation]], Awaitable[bool]]) -> None:
+        self._generate = generate
+
+    async def feed(self, item: PreparedPrompt, out: Outbox[Generation]) -> bool:
+        return await self._generate(item, out)
 
 
 class Row(Protocol):

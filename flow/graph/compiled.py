@@ -78,6 +78,7 @@ class Route:
     exit: str
     stages: tuple[str, ...]  # topological order
     edges: tuple[tuple[str, str], ...]
+    inline: frozenset[str] = frozenset()  # stages that run in their producer's task (flow.graph.inline)
 
 
 @dataclass(frozen=True)

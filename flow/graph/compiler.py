@@ -33,6 +33,7 @@ from flow.graph.compiled import (
     GraphError,
     Route,
 )
+from flow.graph.inline import inline_stages
 from flow.graph.registry import Registry
 from flow.graph.resource import Reference, Resource, ResourceConfig
 from flow.graph.spec import GraphSpec, SpecError, load_tables
@@ -360,7 +361,9 @@ class _Compiler:
                         self.error(f"{path}.routes", f"route {method} {url} is already served by {seen[(method, url)]!r}")
                         continue
                     seen[(method, url)] = sid
-                    routes.append(Route(method, url, sid, exit_id, order, tuple(sub.edges)))
+                    inline = inline_stages(order, sub.edges, sid,
+                                           lambda s: s in self.stages and self.stages[s].cls.inline)
+                    routes.append(Route(method, url, sid, exit_id, order, tuple(sub.edges), inline))
         named_exits = {exit_id for _, exit_id in self.entries.values()}
         for sid, (cls, _) in self.declared.items():
             if issubclass(cls, ExitStage) and sid not in named_exits:

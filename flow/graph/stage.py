@@ -6,15 +6,20 @@ accepts, the item type its output produces, its ``Config`` model (pydantic,
 unknown keys forbidden), and which config fields name resources (``references``).
 
 One instance is built per stage in a graph when the server starts (config
-validated, referenced resources linked). ``run`` is then called once per request on that
-request's path, in its own task, and must keep per-request state in locals.
+validated, referenced resources linked). Per request, a stage either runs as a task —
+``run(inbox, outbox)``, called once per request on that request's path, per-request state
+in locals — or, if it does its work as a :class:`Step` (``open_step``), is fed its items in
+turn by whoever produces them: in its producer's task when it is the only consumer of the
+only producer it has on the route (the runner fuses such chains, see
+:mod:`flow.graph.runner`), else by the default ``run`` from an inbox. A step may await
+anything (a worker thread, a store); it only must not need a task of its own.
 """
 
 from __future__ import annotations
 
 import logging
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -113,7 +118,10 @@ def request_lifetime() -> Iterator[None]:
 
 
 class Outbox(Generic[Out]):
-    """A stage's output: every on-path consumer gets every item (usually there is one)."""
+    """A stage's output: every on-path consumer gets every item (usually there is one).
+
+    This one sends into its consumers' inboxes; a consumer that runs inline in the producer's task is fed
+    through another kind (:class:`flow.graph.runner.InlineOutbox`), with the same methods."""
 
     def __init__(self, channels: Sequence[trio.MemorySendChannel[Any]],
                  stats: Sequence[EdgeStats] | None = None) -> None:
@@ -136,10 +144,42 @@ class Outbox(Generic[Out]):
         for channel in self._channels:
             await channel.send(item)
 
+    async def finish(self) -> None:
+        """The producer's output is complete (its ``run`` returned): the consumers see the end of the stream."""
+        self.close()
+
     def close(self) -> None:
+        """End the stream however the producer ended (raised, cancelled): after :meth:`finish`, or instead."""
         # Synchronous on purpose: it must complete even inside a cancelled scope.
         for channel in self._channels:
             channel.close()
+
+
+class Step(Generic[In, Out]):
+    """One request's pass through a stage that needs no task of its own: its items are fed to it in turn, and
+    what it makes of each it sends on through ``out``. Per-request state lives on the step (one per request).
+
+    ``feed`` returns whether it takes more items: ``False`` once it has all it wants (a stop string matched),
+    which ends its input as closing a task's inbox would (the producer's next send raises
+    ``BrokenResourceError``). ``end`` is called once the input is complete or the step wants no more, unless the
+    request failed first."""
+
+    async def feed(self, item: In, out: Outbox[Out]) -> bool:
+        raise NotImplementedError
+
+    async def end(self, out: Outbox[Out]) -> None:
+        return None
+
+
+class EachItem(Step[In, Out]):
+    """A step that answers each item with one item: ``await answer(item)``."""
+
+    def __init__(self, answer: Callable[[In], Awaitable[Out]]) -> None:
+        self._answer = answer
+
+    async def feed(self, item: In, out: Outbox[Out]) -> bool:
+        await out.send(await self._answer(item))
+        return True
 
 
 def _ports(cls: type, bound: Mapping[Any, Any]) -> tuple[Any, Any] | None:
@@ -167,6 +207,9 @@ class Stage(Generic[In, Out]):
     type_name: ClassVar[str]
     input_type: ClassVar[Any]
     output_type: ClassVar[Any]
+    # Whether the stage works as a Step (``open_step``) with the default ``run``: then it may run inline in its
+    # producer's task. Read from the class when it is made, for the compiler.
+    inline: ClassVar[bool] = False
     Config: ClassVar[type[StageConfig]] = StageConfig
     # Config fields whose values name resources (checked and resolved by the compiler).
     references: ClassVar[Mapping[str, Reference]] = {}
@@ -177,6 +220,8 @@ class Stage(Generic[In, Out]):
         ports = _ports(cls, {})
         if ports is not None and not any(isinstance(port, TypeVar) for port in ports):
             cls.input_type, cls.output_type = ports
+        # A class with a run loop of its own keeps its task, whatever step a base class offers.
+        cls.inline = cls.open_step is not Stage.open_step and cls.run is Stage.run
 
     def __init__(self, stage_id: str, config: StageConfig, links: Links) -> None:
         self.id = stage_id
@@ -188,8 +233,17 @@ class Stage(Generic[In, Out]):
         """Called once the stage is made, its config and resources in place: a stage type looks up what it
         uses here (``self.links``), rather than overriding ``__init__``."""
 
-    async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[Out]) -> None:
+    def open_step(self) -> Step[In, Out]:
+        """The request's step, for a stage that works as one (see :class:`Step`)."""
         raise NotImplementedError
+
+    async def run(self, inbox: trio.MemoryReceiveChannel[In], outbox: Outbox[Out]) -> None:
+        """The stage as a task: by default, its step fed from ``inbox``."""
+        step = self.open_step()
+        async for item in inbox:
+            if not await step.feed(item, outbox):
+                break  # it has all it wants: the inbox closes when the task ends, which tells the producer
+        await step.end(outbox)
 
 
 class EntryStage(Stage[In, Out]):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -40,9 +41,20 @@ log = logging.getLogger("flow.serve.http")
 
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
-# The run scopes a request's view started; cancelled when the request's ASGI call ends (see _EndRunsWithRequest).
-_request_runs: contextvars.ContextVar[list[trio.CancelScope] | None] = contextvars.ContextVar(
-    "flow_request_runs", default=None)
+@dataclass
+class _RequestIO:
+    """What a request's view needs from its ASGI call: the run scopes it started (cancelled when the call
+    ends, see _EndRunsWithRequest) and the connection's ``send``, which a streaming run writes its frames to."""
+
+    runs: list[trio.CancelScope]
+    send: Any
+
+    async def write(self, data: bytes) -> None:
+        """One piece of a streaming response's body, straight to the connection (flow.serve.exit)."""
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+_request_io: contextvars.ContextVar[_RequestIO | None] = contextvars.ContextVar("flow_request_io", default=None)
 
 
 class _EndRunsWithRequest:
@@ -52,6 +64,7 @@ class _EndRunsWithRequest:
     leaves after the view has returned and before Quart has begun the body (the disconnect cancels Quart's
     send of the response head) leaves that iterator never started, hence never closed: without this, the
     run, its engine sequence (prefill, then up to ``max_tokens``) and its task would go on, nobody reading.
+    It also hands the view the call's ``send``, for the run to write a stream's body with.
     """
 
     def __init__(self, app: Any) -> None:
@@ -61,13 +74,13 @@ class _EndRunsWithRequest:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        runs: list[trio.CancelScope] = []
-        token = _request_runs.set(runs)
+        io = _RequestIO([], send)
+        token = _request_io.set(io)
         try:
             await self.app(scope, receive, send)
         finally:
-            _request_runs.reset(token)
-            for run in runs:
+            _request_io.reset(token)
+            for run in io.runs:
                 run.cancel()
 
 
@@ -151,7 +164,10 @@ def create_app(server: FlowServer) -> QuartTrio:
             headers=tuple(request.headers.items()), body=body,
             request_id=uuid.uuid4().hex[:24], params=tuple(match.params.items()),
         )
-        return _answer_response(await server.respond(gen, match.runner, http, app.nursery, _request_runs.get()))
+        io = _request_io.get()
+        if io is None:
+            raise RuntimeError("a graph route's request outside the app's ASGI middleware")
+        return _answer_response(await server.respond(gen, match.runner, http, app.nursery, io.runs, io.write))
 
     app.add_url_rule("/", endpoint="graph_root", view_func=dispatch, methods=METHODS,
                      provide_automatic_options=False)  # "/" is a graph route too: the console page

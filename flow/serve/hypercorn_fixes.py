@@ -15,7 +15,9 @@ response is sent. The cancellation lands on the first checkpoint of that work:
 
 What the protocol asks of the TCP server must be done whatever cancels the
 task that asked, so it is shielded — as hypercorn already shields the close of
-an idle connection and the sending of data.
+an idle connection and the sending of data. Data (``RawData``) is left to
+hypercorn's own shield: a second one per frame of a stream cost a cancel scope
+for nothing.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from __future__ import annotations
 from typing import Any
 
 import trio
-from hypercorn.events import Event
+from hypercorn.events import Event, RawData
 from hypercorn.trio.tcp_server import TCPServer
 
 _original_protocol_send = TCPServer.protocol_send
 
 
 async def _shielded_protocol_send(self: Any, event: Event) -> None:
+    if isinstance(event, RawData):  # hypercorn shields the sending itself
+        await _original_protocol_send(self, event)
+        return
     with trio.CancelScope(shield=True):
         await _original_protocol_send(self, event)
 

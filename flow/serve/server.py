@@ -7,7 +7,8 @@ Theory of operation
 routes and hands it to :meth:`FlowServer.respond`, which starts the request's
 run in the app's nursery under its own cancel scope and waits for the first
 :class:`WireFrame`: its status and headers become the response head; a
-streaming frame makes the rest of the run the response body. The request holds
+streaming frame makes the rest of the run the response body, which the run
+writes to the connection itself (:mod:`flow.serve.exit`). The request holds
 its generation until the run ends, so a reload never pulls a resource from
 under it.
 
@@ -37,8 +38,9 @@ import trio
 
 from flow.graph.compiled import CompiledGraph, CompileError
 from flow.graph.runner import RouteRunner
-from flow.graph.stage import EntryStage, ExitStage, Outbox, request_notes
+from flow.graph.stage import EntryStage, ExitStage, request_notes
 from flow.resources.model import ModelResource
+from flow.serve.exit import ResponseExit, RunExit, Write
 from flow.serve.guard import Guard
 from flow.serve.live import Generation, LiveGraph, ReloadRefused, ReloadReport
 from flow.serve.loop_watch import LoopWatch
@@ -77,7 +79,7 @@ class Answer:
     for a stream, the rest of the body. The HTTP app makes it a response."""
 
     first: WireFrame
-    body: AsyncIterator[bytes] | None = None
+    body: AsyncIterator[bytes] | None = None  # for a stream: yields the first frame, then the run writes the rest
 
 
 @dataclass
@@ -181,44 +183,44 @@ class FlowServer:
         return ReloadOutcome(report=report)
 
     # ------------------------------------------------------------------ one request
-    async def run_request(self, gen: Generation, runner: RouteRunner, http: HttpRequest,
-                          send: trio.MemorySendChannel[WireFrame], scope: trio.CancelScope,
-                          record: RecentRequest | None = None) -> None:
+    async def run_request(self, gen: Generation, runner: RouteRunner, http: HttpRequest, exit: RunExit,
+                          scope: trio.CancelScope, record: RecentRequest | None = None) -> None:
+        """Run one request, its frames to ``exit``; errors end it in the route's protocol shape. ``exit`` is
+        ended when the run is over, however it ends."""
         exit_stage = gen.exit_stage(runner.route.exit)
         self.requests_total += 1
         self.requests_active += 1
         started = time.perf_counter()
-        outbox: Outbox[WireFrame] = Outbox([send.clone()])
         self._runs.add(scope)
         try:
             with self.live.entered(gen):
-                async with send:
-                    with scope, request_notes(record.notes if record is not None else {}):
-                        try:
-                            await runner.run(http, outbox)
-                        except BaseException as raw:
-                            exc = first_error(raw)
-                            if isinstance(exc, trio.Cancelled) or not isinstance(exc, Exception):
-                                raise
-                            error = exc if isinstance(exc, ApiError) else None
-                            if error is None:
-                                # A server fault: the details go to the log under the request id, not the client.
-                                log.error("request %s (%s %s) failed", http.request_id, http.method, http.path,
-                                          exc_info=exc)
-                                error = ApiError("internal", f"Internal server error (request id "
-                                                 f"{http.request_id}); the server log has the details.")
-                            if error.status >= 500:
-                                self.requests_failed += 1
-                            await self._send_all(send, self._error_frames(exit_stage, error, outbox.sent > 0,
-                                                                          http.request_id))
-                    if scope.cancelled_caught and self.stop_error is not None:
-                        # Cancelled by the end of a graceful stop: the client learns why, in its protocol.
-                        with trio.move_on_after(2):
-                            await self._send_all(send, self._error_frames(exit_stage, self.stop_error,
-                                                                          outbox.sent > 0, http.request_id))
+                with scope, request_notes(record.notes if record is not None else {}):
+                    try:
+                        await runner.run(http, exit)
+                    except BaseException as raw:
+                        exc = first_error(raw)
+                        if isinstance(exc, trio.Cancelled) or not isinstance(exc, Exception):
+                            raise
+                        error = exc if isinstance(exc, ApiError) else None
+                        if error is None:
+                            # A server fault: the details go to the log under the request id, not the client.
+                            log.error("request %s (%s %s) failed", http.request_id, http.method, http.path,
+                                      exc_info=exc)
+                            error = ApiError("internal", f"Internal server error (request id "
+                                             f"{http.request_id}); the server log has the details.")
+                        if error.status >= 500:
+                            self.requests_failed += 1
+                        await self._send_all(exit, self._error_frames(exit_stage, error, exit.sent > 0,
+                                                                      http.request_id))
+                if scope.cancelled_caught and self.stop_error is not None:
+                    # Cancelled by the end of a graceful stop: the client learns why, in its protocol.
+                    with trio.move_on_after(2):
+                        await self._send_all(exit, self._error_frames(exit_stage, self.stop_error,
+                                                                      exit.sent > 0, http.request_id))
         except Exception:  # a run task must never raise: it would close the app's nursery to every later request
             log.exception("request %s: failed while reporting its error", http.request_id)
         finally:
+            exit.end()
             self._runs.discard(scope)
             self.requests_active -= 1
             self.observer.duration.observe(time.perf_counter() - started,
@@ -227,11 +229,11 @@ class FlowServer:
                 record.finished(round((time.perf_counter() - started) * 1000, 1))
 
     @staticmethod
-    async def _send_all(send: trio.MemorySendChannel[WireFrame], frames: list[WireFrame]) -> None:
+    async def _send_all(exit: RunExit, frames: list[WireFrame]) -> None:
         """Send ``frames`` unless the client has gone (then nobody reads them)."""
         for frame in frames:
             try:
-                await send.send(frame)
+                await exit.send(frame)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 return
 
@@ -247,14 +249,15 @@ class FlowServer:
             fallback = ApiError("internal", f"Internal server error (request id {request_id}).")
             return exit_stage.error_frames(fallback) if streaming else [exit_stage.error_response(fallback)]
 
-    async def respond(self, gen: Generation, runner: RouteRunner, http: HttpRequest,
-                      nursery: trio.Nursery, runs: list[trio.CancelScope] | None) -> Answer:
-        """Start the request's run; answer with its first frame (and, streaming, the rest as the body).
-        ``runs``: the ASGI call's list of run scopes, cancelled when the call ends."""
+    async def respond(self, gen: Generation, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery,
+                      runs: list[trio.CancelScope] | None, write: Write) -> Answer:
+        """Start the request's run; answer with its first frame (and, streaming, the rest as the body, which the
+        run writes through ``write`` once the head is sent). ``runs``: the ASGI call's list of run scopes,
+        cancelled when the call ends."""
         if self.draining.is_set():
             return Answer(self.error_response(http.path, shutting_down(), close=True,
                                               exit_stage=gen.exit_stage(runner.route.exit)))
-        send, receive = trio.open_memory_channel[WireFrame](64)
+        exit = ResponseExit()
         scope = trio.CancelScope()
         if runs is not None:
             runs.append(scope)  # cancelled when the request ends, even if its body never began
@@ -263,27 +266,28 @@ class FlowServer:
         entry = gen.stages[runner.route.entry]
         listed = not (isinstance(entry, EntryStage) and http.method in entry.monitoring_methods)
         record = self.observer.request_started(http.request_id, route, listed=listed)
-        nursery.start_soon(self.run_request, gen, runner, http, send, scope, record)
+        nursery.start_soon(self.run_request, gen, runner, http, exit, scope, record)
         try:
-            first = await receive.receive()
+            await exit.started.wait()
         except BaseException:
             scope.cancel()
             raise
+        first = exit.first
+        if first is None:
+            raise RuntimeError(f"request {http.request_id}: the run ended without a response")
         self.observer.first_byte.observe(time.perf_counter() - started, route=route)
         self.observer.requests.inc(route=route, status=str(first.status))
         record.first_byte(first.status, round((time.perf_counter() - started) * 1000, 1))
         if not first.streaming:
-            receive.close()
             return Answer(first)
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 yield first.data
-                async for frame in receive:
-                    yield frame.data
+                exit.attach(write)  # the head and the first bytes are sent: the run writes the rest itself
+                await exit.serve()
             finally:
                 scope.cancel()  # the client left, or the stream is over
-                receive.close()
 
         return Answer(first, body())
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from flow.serve.exit import ChannelExit
 from flow.serve.live import NoRoute
 from protocols.ir import HttpRequest, WireFrame
 from protocols.sse import dumps
@@ -133,7 +134,7 @@ class ResponsesSocket:
         send, receive = trio.open_memory_channel[WireFrame](64)
         scope = trio.CancelScope()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run_request, gen, match.runner, http, send, scope)
+            nursery.start_soon(server.run_request, gen, match.runner, http, ChannelExit(send), scope)
             try:
                 async with receive:
                     first = await receive.receive()
