@@ -40,6 +40,7 @@ Modules, each importing only those before it:
 * :mod:`runtime.tiny.archs`: what differs per text architecture (special tokens, template, mlx-lm module);
 * :mod:`runtime.tiny.spec`: :class:`TinySpec`, :class:`~runtime.tiny.spec.VisionSpec`, the presets;
 * :mod:`runtime.tiny.tokenizer`: the corpus and the BPE and WordPiece tokenizers trained on it;
+* :mod:`runtime.tiny.qwen_vl`: what the Qwen vision-language models (3-D positions) have of their own;
 * :mod:`runtime.tiny.vlm`, :mod:`runtime.tiny.audio`: the vision-language and audio models' files;
 * :mod:`runtime.tiny.build`: configs, weights and files of the text models and encoders, the cache of builds;
 * :mod:`runtime.tiny.adapters` (on its own): random LoRA adapters for a built model.

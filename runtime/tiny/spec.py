@@ -18,7 +18,7 @@ from runtime.tiny.archs import ARCHS, ArchInfo
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
                "seed_oss", "qwen3_5", "gemma4", "phi3", "granite", "granitemoehybrid", "llama4_text", "hermes3",
                "minicpm5", "deepseek_r1", "qwen3_next", "whisper", "soprano", "idefics3", "gemma3_vision", "qwen2",
-               "qwen3_tts", "nemotron_h", "falcon_h1", "lfm2", "mamba2"]
+               "qwen3_tts", "nemotron_h", "falcon_h1", "lfm2", "mamba2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -31,7 +31,7 @@ _MIN_VOCAB = 512  # 256 byte tokens + specials + some merges
 ROWS_COLS = 6  # SmolVLM's vocabulary holds <row_1_col_1> … <row_6_col_6>
 
 # The vision-language architectures (runtime/tiny/vlm.py): a TinySpec of one of them has a VisionSpec.
-VLM_ARCHS = ("idefics3", "gemma3_vision")
+VLM_ARCHS = ("idefics3", "gemma3_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class VisionSpec:
     intermediate_size: int = 64
     image_size: int = 64  # the tower's input, square (idefics3: one tile)
     patch_size: int = 8
-    tokens_per_image: int = 16  # image tokens per tile (idefics3) or per image (gemma3)
+    tokens_per_image: int = 16  # image tokens per tile (idefics3), per image (gemma3), at most per image (Qwen-VL)
     max_tiles_per_side: int = 2  # idefics3: an image is split into at most this many tiles per side
 
     def __post_init__(self) -> None:
@@ -91,7 +91,7 @@ class TinySpec:
     dtype: DType = "float32"
     sliding_window: int = 512  # gemma3: the window of its sliding-window layers
     embedding: bool = False  # qwen3: a bare Qwen3Model (no language-model head), as embedding models ship
-    vision: VisionSpec | None = None  # idefics3, gemma3_vision: the vision tower (runtime/tiny/vlm.py)
+    vision: VisionSpec | None = None  # the vision archs (VLM_ARCHS): the vision tower (runtime/tiny/vlm.py)
     mtp_layers: int = 0  # qwen3_5: multi-token-prediction layers in the safetensors (``mtp.*``, as Qwen ships them)
 
     def __post_init__(self) -> None:
@@ -182,6 +182,11 @@ PRESETS: dict[str, TinySpec] = {
     # Gemma 3: every image is 16 soft tokens; a 32-token window on the sliding layer, so a prompt with an image
     # already wraps the rotating cache.
     "tiny-gemma3-vision": TinySpec(arch="gemma3_vision", sliding_window=32, vision=VisionSpec()),
+    # The Qwen vision-language models (3-D M-RoPE positions; runtime/tiny/qwen_vl.py): 8-pixel patches merged 2x2,
+    # so an image costs one token per 16 x 16 pixels after its resize (80 x 48: 15 tokens), at most 16.
+    "tiny-qwen2-vl": TinySpec(arch="qwen2_vl", vision=VisionSpec()),
+    "tiny-qwen2.5-vl": TinySpec(arch="qwen2_5_vl", vision=VisionSpec()),
+    "tiny-qwen3-vl": TinySpec(arch="qwen3_vl", vision=VisionSpec()),
     # A vision tower that costs real time on a CPU: SigLIP-B/14-224's width at half its depth (256 patches, 6
     # layers of 768, ~43M parameters; real VLMs' towers are larger still), 64 tokens per image.
     "bench-vlm": TinySpec(arch="gemma3_vision", hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,

@@ -1,6 +1,6 @@
 """Tiny random-weight vision-language models, built locally as mlx-vlm loads real ones (see :mod:`runtime.tiny`).
 
-Two of mlx-vlm's architectures, each written as the real Hugging Face repositories ship them — config.json with
+Five of mlx-vlm's architectures, each written as the real Hugging Face repositories ship them — config.json with
 ``text_config`` and ``vision_config``, one ``model.safetensors``, a tokenizer holding the real image tokens,
 ``tokenizer_config.json``, ``special_tokens_map.json``, ``preprocessor_config.json``, ``processor_config.json``
 and the chat template as both ``chat_template.json`` and ``chat_template.jinja``:
@@ -15,6 +15,8 @@ and the chat template as both ``chat_template.json`` and ``chat_template.jinja``
   and Gemma 3's projector, which average-pools the patch grid to ``tokens_per_image`` soft tokens. Every image
   is resized to ``image_size`` square, so it always costs ``tokens_per_image`` ``<image_soft_token>``s between
   ``<start_of_image>`` and ``<end_of_image>``.
+* **qwen2_vl**, **qwen2_5_vl**, **qwen3_vl** (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): language models with 3-D (M-RoPE)
+  positions and images at any size; what is particular to them is :mod:`runtime.tiny.qwen_vl`'s.
 
 The vision side's sizes are a :class:`~runtime.tiny.spec.VisionSpec` (beside TinySpec, which holds one).
 Weights are drawn from the parameters of mlx-vlm's own model class for the config (named as its ``sanitize``
@@ -33,6 +35,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from runtime.tiny.archs import ArchInfo
+from runtime.tiny.qwen_vl import (
+    QWEN_VL_ARCHS,
+    qwen_vl_info,
+    qwen_vl_model_config,
+    qwen_vl_preprocessor_config,
+    qwen_vl_tokenizer_extras,
+    qwen_vl_video_config,
+)
 from runtime.tiny.spec import (
     BUILDER_VERSION,
     INIT_STD,
@@ -78,7 +88,9 @@ def _gemma3_info() -> ArchInfo:
 
 
 def vlm_arch_info(arch: str) -> ArchInfo:
-    """What the real checkpoints of a vision arch (``idefics3``, ``gemma3_vision``) have."""
+    """What the real checkpoints of a vision arch (``idefics3``, ``gemma3_vision``, the Qwen-VL ones) have."""
+    if arch in QWEN_VL_ARCHS:
+        return qwen_vl_info(arch)
     if arch == "idefics3":
         return _idefics3_info()
     if arch == "gemma3_vision":
@@ -146,6 +158,8 @@ def _text_config(arch: str, spec: TinySpec, vision: VisionSpec, token_id: dict[s
 
 def _model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: ArchInfo,
                   token_id: dict[str, int]) -> dict[str, Any]:
+    if arch in QWEN_VL_ARCHS:
+        return {**qwen_vl_model_config(arch, spec, vision, info, token_id), **_markers(spec)}
     eos = [token_id[t] for t in info.config_eos]
     config: dict[str, Any] = {
         "architectures": [info.architecture],
@@ -168,31 +182,33 @@ def _model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: ArchInfo,
                        "boi_token_index": token_id["<start_of_image>"],
                        "eoi_token_index": token_id["<end_of_image>"],
                        "mm_tokens_per_image": vision.tokens_per_image})
-    config.update({
-        "flow_smoke_test": True,
-        "flow_smoke_test_label": SMOKE_TEST_LABEL,
-        "flow_tiny_spec": asdict(spec),
-        "flow_builder_version": BUILDER_VERSION,
-    })
+    config.update(_markers(spec))
     return config
 
 
-def _mlx_vlm_model(arch: str, config: dict[str, Any]) -> Any:
+def _markers(spec: TinySpec) -> dict[str, Any]:
+    return {"flow_smoke_test": True, "flow_smoke_test_label": SMOKE_TEST_LABEL, "flow_tiny_spec": asdict(spec),
+            "flow_builder_version": BUILDER_VERSION}
+
+
+def _mlx_vlm_model(config: dict[str, Any]) -> Any:
     """mlx-vlm's model for ``config``, built as ``mlx_vlm.utils.load_model`` builds it."""
     # mlx-vlm takes seconds to import (it brings transformers): only a vision model's build pays for it.
-    from mlx_vlm.models import gemma3, idefics3
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    module: Any = idefics3 if arch == "idefics3" else gemma3
+    config = json.loads(json.dumps(config))  # from_dict writes into the dict it is given
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    module, _ = get_model_and_args(config=config)
     model_config = module.ModelConfig.from_dict(config)
-    model_config.text_config = module.TextConfig.from_dict(config["text_config"])
-    model_config.vision_config = module.VisionConfig.from_dict(config["vision_config"])
+    model_config = update_module_configs(model_config, module, config, ["text", "vision"])  # type: ignore[no-untyped-call]
     return module.Model(model_config)
 
 
 def _random_weights(arch: str, spec: TinySpec, config: dict[str, Any]) -> dict[str, mx.array]:
     """Every parameter of mlx-vlm's model, named as it names them, drawn deterministically from ``spec.seed``."""
     mx.random.seed(spec.seed)
-    params = dict(tree_flatten(_mlx_vlm_model(arch, config).parameters()))
+    params = dict(tree_flatten(_mlx_vlm_model(config).parameters()))
     if arch == "gemma3_vision":
         params.pop("language_model.lm_head.weight", None)  # tied: mlx-vlm's sanitize copies the embeddings
     names = sorted(params)
@@ -207,6 +223,10 @@ def _random_weights(arch: str, spec: TinySpec, config: dict[str, Any]) -> dict[s
             value = mx.zeros_like(value)
         elif arch == "gemma3_vision" and not name.startswith("vision_tower."):
             value = mx.zeros_like(value)  # gemma norms scale by (1 + w): identity is w = 0
+        if value.ndim == 5:
+            # A 3-D patch convolution (Qwen-VL's temporal patches) is stored as PyTorch lays it out, [out, in, t, h,
+            # w]: mlx-vlm's sanitize transposes every 5-D patch weight it reads into MLX's [out, t, h, w, in].
+            value = value.transpose(0, 4, 1, 2, 3)
         weights[name] = value.astype(dtype)
     mx.eval(weights)
     return weights
@@ -236,7 +256,19 @@ def _processor_config(arch: str, vision: VisionSpec) -> dict[str, Any]:
 
 def image_tokens(arch: str, vision: VisionSpec, width: int, height: int) -> int:
     """How many image tokens the processor gives an image of ``width`` x ``height`` pixels (the arithmetic of
-    transformers' Idefics3 image processor, step by step; gemma3 resizes every image to one square)."""
+    transformers' Idefics3 image processor, step by step; gemma3 resizes every image to one square; Qwen-VL's
+    resize to whole merged patches, HF's ``smart_resize``)."""
+    if arch in QWEN_VL_ARCHS:
+        factor = vision.patch_size * vision.pool
+        least, most = factor * factor, vision.image_size * vision.image_size
+        h, w = round(height / factor) * factor, round(width / factor) * factor
+        if h * w > most:
+            beta = math.sqrt(height * width / most)
+            h, w = (max(factor, math.floor(side / beta / factor) * factor) for side in (height, width))
+        elif h * w < least:
+            beta = math.sqrt(least / (height * width))
+            h, w = (math.ceil(side * beta / factor) * factor for side in (height, width))
+        return (h // factor) * (w // factor)
     if arch != "idefics3":
         return vision.tokens_per_image
     tile = vision.image_size
@@ -264,7 +296,7 @@ def image_tokens(arch: str, vision: VisionSpec, width: int, height: int) -> int:
 
 
 def write_vlm_files(out: Path, spec: TinySpec) -> None:
-    """A vision-language checkpoint of ``spec.arch`` (``idefics3`` or ``gemma3_vision``) in ``out``."""
+    """A vision-language checkpoint of ``spec.arch`` (one of ``VLM_ARCHS``) in ``out``."""
     if spec.vision is None:
         raise ValueError(f"{spec.arch} needs a vision spec")
     arch, vision = spec.arch, spec.vision
@@ -284,7 +316,9 @@ def write_vlm_files(out: Path, spec: TinySpec) -> None:
                                     "pad_token_id": token_id[info.pad], **info.generation_defaults})
     tok.save(str(out / "tokenizer.json"))
     tok_config = tokenizer_config(info, tok, spec)
-    if arch == "idefics3":
+    if arch in QWEN_VL_ARCHS:
+        qwen_vl_tokenizer_extras(tok_config, arch)
+    elif arch == "idefics3":
         tok_config["additional_special_tokens"] = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
         tok_config["processor_class"] = "Idefics3Processor"
     else:
@@ -294,8 +328,12 @@ def write_vlm_files(out: Path, spec: TinySpec) -> None:
         tok_config["processor_class"] = "Gemma3Processor"
     dump("tokenizer_config.json", tok_config)
     dump("special_tokens_map.json", special_tokens_map(info))
-    dump("preprocessor_config.json", _preprocessor_config(arch, vision))
-    dump("processor_config.json", _processor_config(arch, vision))
+    if arch in QWEN_VL_ARCHS:
+        dump("preprocessor_config.json", qwen_vl_preprocessor_config(arch, vision))
+        dump("video_preprocessor_config.json", qwen_vl_video_config(arch, vision))
+    else:
+        dump("preprocessor_config.json", _preprocessor_config(arch, vision))
+        dump("processor_config.json", _processor_config(arch, vision))
     # The real repositories ship the template both ways (older transformers read the .json, newer the .jinja).
     dump("chat_template.json", {"chat_template": info.chat_template})
     (out / "chat_template.jinja").write_text(info.chat_template, encoding="utf-8")

@@ -1,6 +1,6 @@
-"""Tiny vision-language models (runtime/tiny/vlm.py): mlx-vlm loads them offline, its processor expands the
-image placeholder into the image tokens, generation runs and is deterministic, the chat template renders
-content lists."""
+"""Tiny vision-language models (runtime/tiny/vlm.py, runtime/tiny/qwen_vl.py): mlx-vlm loads them offline, its
+processor expands the image placeholder into the image tokens, generation runs and is deterministic, the chat
+template renders content lists; the Qwen-VL ones give an image's tokens 3-D positions from its grid."""
 
 from __future__ import annotations
 
@@ -18,8 +18,15 @@ from runtime.tiny import PRESETS, TinySpec, ensure_tiny_model, is_smoke_test_mod
 from runtime.tiny.spec import VisionSpec
 from runtime.tiny.vlm import image_tokens
 
-VLM_PRESETS = ("tiny-smolvlm", "tiny-gemma3-vision")
-PLACEHOLDER = {"idefics3": "<image>", "gemma3_vision": "<start_of_image>"}
+FLAT_PRESETS = ("tiny-smolvlm", "tiny-gemma3-vision")  # language models with 1-D positions
+QWEN_PRESETS = ("tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl")  # 3-D (M-RoPE) positions
+VLM_PRESETS = (*FLAT_PRESETS, *QWEN_PRESETS)
+PLACEHOLDER = {"idefics3": "<image>", "gemma3_vision": "<start_of_image>", "qwen2_vl": "<|image_pad|>",
+               "qwen2_5_vl": "<|image_pad|>", "qwen3_vl": "<|image_pad|>"}
+
+
+def image_token(model: Any) -> int:
+    return int(getattr(model.config, "image_token_index", None) or model.config.image_token_id)
 
 
 def _image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -41,9 +48,12 @@ def test_build_is_cached_marked_and_a_vision_model(name: str) -> None:
     assert is_smoke_test_model(path)
     assert detect_kind_of(path) == "vision"
     config = json.loads((path / "config.json").read_text())
-    assert {"text_config", "vision_config"} <= config.keys()
+    # Qwen2-VL and Qwen2.5-VL keep their text fields at the top level, as their repositories do.
+    assert "vision_config" in config and ("text_config" in config or config["model_type"] in ("qwen2_vl", "qwen2_5_vl"))
+    # Qwen-VL repositories ship the video processor's settings, not a processor_config.json.
+    processor = "video_preprocessor_config.json" if name in QWEN_PRESETS else "processor_config.json"
     for file in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja"):
+                 "preprocessor_config.json", processor, "chat_template.json", "chat_template.jinja"):
         assert (path / file).is_file(), file
     template = json.loads((path / "chat_template.json").read_text())["chat_template"]
     assert template == (path / "chat_template.jinja").read_text()
@@ -67,7 +77,7 @@ def test_generate_is_deterministic_and_sees_the_image(name: str, loaded: dict[st
         inputs = processor(images=[image], text=prompt)
         # Gemma 3's get_input_embeddings needs the attention mask (it builds a 4-D mask from it); idefics3's
         # takes the pixel mask of its tiles.
-        extra = {k: inputs[k] for k in ("pixel_attention_mask",) if k in inputs}
+        extra = {k: inputs[k] for k in ("pixel_attention_mask", "image_grid_thw") if k in inputs}
         embeds.append(model.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"],
                                                  mask=inputs["attention_mask"], **extra).inputs_embeds)
     assert not mx.array_equal(embeds[0], embeds[1])
@@ -84,10 +94,15 @@ def test_processor_expands_the_placeholder(name: str, size: tuple[int, int],
     out = processor(images=[_image(*size)], text=f"Look {placeholder} here.")
     ids = np.array(out["input_ids"])[0].tolist()
     expected = image_tokens(spec.arch, spec.vision, *size)
-    assert ids.count(model.config.image_token_index) == expected
+    assert ids.count(image_token(model)) == expected
     assert expected <= 100
     vocab = processor.tokenizer.get_vocab()
-    if spec.arch == "idefics3":
+    if name in QWEN_PRESETS:
+        # One temporal patch (an image is its own frame twice), the grid of 8-pixel patches merged 2x2.
+        grid = np.array(out["image_grid_thw"]).tolist()
+        assert len(grid) == 1 and grid[0][0] == 1 and grid[0][1] * grid[0][2] == expected * 4
+        assert expected <= spec.vision.tokens_per_image
+    elif spec.arch == "idefics3":
         tiles = expected // spec.vision.tokens_per_image
         assert ids.count(vocab["<global-img>"]) == 1
         assert ids.count(vocab["<fake_token_around_image>"]) == tiles + 1
@@ -108,6 +123,14 @@ _RENDERED = {
     "tiny-gemma3-vision": "<bos><start_of_turn>user\n<start_of_image>What is this?<end_of_turn>\n<start_of_turn>model\n"
                           "A cat.<end_of_turn>\n<start_of_turn>user\nAnd this?<start_of_image><end_of_turn>\n"
                           "<start_of_turn>model\n",
+    **dict.fromkeys(("tiny-qwen2-vl", "tiny-qwen2.5-vl"),
+                    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+                    "<|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\nA cat.<|im_end|>\n"
+                    "<|im_start|>user\nAnd this?<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                    "<|im_start|>assistant\n"),
+    "tiny-qwen3-vl": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n"
+                     "<|im_start|>assistant\nA cat.<|im_end|>\n<|im_start|>user\nAnd this?<|vision_start|>"
+                     "<|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n",
 }
 
 
@@ -144,7 +167,7 @@ def test_a_custom_spec_builds_where_asked(tmp_path: Path) -> None:
     assert config["scale_factor"] == 2 and config["vision_config"]["image_size"] == 32
 
 
-@pytest.mark.parametrize("name", VLM_PRESETS)
+@pytest.mark.parametrize("name", [*FLAT_PRESETS, "tiny-qwen3-vl"])
 def test_builds_are_deterministic(tmp_path: Path, name: str) -> None:
     from runtime.tiny import build_tiny_model
 
@@ -172,7 +195,7 @@ def _mlx_lm_cache(name: str, model: Any) -> list[Any]:
             for i in range(text.num_hidden_layers)]
 
 
-@pytest.mark.parametrize("name", VLM_PRESETS)
+@pytest.mark.parametrize("name", FLAT_PRESETS)
 def test_language_model_decodes_batched_with_mlx_lm_caches(name: str, loaded: dict[str, tuple[Any, Any]]) -> None:
     """What a serving engine relies on: text embeddings with the image rows spliced in (a vision-feature cache)
     equal mlx-vlm's own; prompts prefilled one by one into mlx-lm caches, merged into one left-padded batch
@@ -224,3 +247,28 @@ def test_language_model_decodes_batched_with_mlx_lm_caches(name: str, loaded: di
         got = mx.stack([b[row] for b in batched])
         assert mx.allclose(got, alone[row], atol=1e-5), float(mx.abs(got - alone[row]).max())
         assert mx.array_equal(mx.argmax(got, axis=-1), mx.argmax(alone[row], axis=-1))
+
+
+@pytest.mark.parametrize("name", QWEN_PRESETS)
+def test_qwen_image_tokens_take_3d_positions_from_their_grid(name: str, loaded: dict[str, tuple[Any, Any]]) -> None:
+    """What the engine keeps per row for these models: an image's tokens sit at (t, row, column) of its merged
+    patch grid after the text before it, the text after it goes on from the largest, and the prompt's last
+    position ends below its length by the rope delta (which decoding adds to each token's index)."""
+    model, processor = loaded[name]
+    prompt = processor.tokenizer.apply_chat_template(_MESSAGES[:1], tokenize=False, add_generation_prompt=True)
+    inputs = processor(images=[_image(80, 48)], text=prompt)
+    ids = mx.array(inputs["input_ids"])
+    positions, delta = model.language_model.get_rope_index(ids, mx.array(inputs["image_grid_thw"]))
+    row = np.array(positions)[:, 0]  # 3 x tokens
+    tokens = np.array(ids)[0]
+    image = np.flatnonzero(tokens == image_token(model))
+    first = int(image[0])
+    assert (row[:, :first] == np.arange(first)).all()
+    grid_h, grid_w = 48 // 16, 80 // 16
+    assert len(image) == grid_h * grid_w
+    assert (row[0, image] == first).all()
+    assert (row[1, image] == first + np.repeat(np.arange(grid_h), grid_w)).all()
+    assert (row[2, image] == first + np.tile(np.arange(grid_w), grid_h)).all()
+    after = int(image[-1]) + 1
+    assert (row[:, after:] == first + max(grid_h, grid_w) + np.arange(len(tokens) - after)).all()
+    assert int(np.array(delta).item()) == int(row.max()) + 1 - len(tokens) < 0
