@@ -178,6 +178,7 @@ class MessagesBody(_Lenient):
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     adapter: str | None = Field(default=None, max_length=512)  # flow: LoRA adapters (protocols.adapter_spec)
+    cache_audit: bool = False  # flow: audit this request's prefix-cache hit (protocols.cache_fields)
 
     @field_validator("stop_sequences")
     @classmethod
@@ -366,7 +367,8 @@ def decode_messages_request(body: bytes, request_id: str, created: int, *, count
         request_id=request_id,
         created=created,
         user=user if isinstance(user, str) else None,
-        cache=CachePolicy(ttl_seconds=cache_control_ttl(parsed.model_dump(exclude_none=True))),
+        cache=CachePolicy(ttl_seconds=cache_control_ttl(parsed.model_dump(exclude_none=True)),
+                          audit=parsed.cache_audit),
         adapter=decode_adapter(parsed.adapter),
     )
 

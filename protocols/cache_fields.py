@@ -1,13 +1,15 @@
 """Request fields that steer the prefix cache, shared by the protocols; and the ``adapter`` field.
 
-OpenAI-style bodies may carry three extension fields, which official clients
+OpenAI-style bodies may carry four extension fields, which official clients
 never send and other servers ignore: ``session_id`` (a conversation's name, for
 its cache state in ``/stats``; ``prompt_cache_key``, which Codex sends, counts
 as one), ``cache_mode`` (``full``: keep prompt and answer for the next turn;
 ``prefix``: keep the prompt only) and ``ttl`` (seconds the cached blocks live
-after their last use; 0: memory only). Anthropic bodies say the same with
+after their last use; 0: memory only) and ``cache_audit`` (``true``: this
+request's prefix-cache hit is recomputed cold and its first logits compared;
+``flow cache verify`` sends it). Anthropic bodies say the ttl with
 ``cache_control`` marks: the longest ``ttl`` among them (``"5m"``, ``"1h"``) is
-the request's.
+the request's; ``cache_audit`` is the same extension there.
 
 Every protocol's body may also name LoRA adapters in an ``adapter`` field (see :mod:`protocols.adapter_spec`).
 """
@@ -33,11 +35,12 @@ class SessionFields(BaseModel):
     prompt_cache_key: str | None = Field(default=None, max_length=256)
     cache_mode: Literal["full", "prefix"] = "full"
     ttl: float | None = Field(default=None, ge=0)
+    cache_audit: bool = False
     adapter: str | None = Field(default=None, max_length=512)
 
     def cache_policy(self) -> CachePolicy:
         return CachePolicy(mode=self.cache_mode, ttl_seconds=self.ttl,
-                           session_id=self.session_id or self.prompt_cache_key)
+                           session_id=self.session_id or self.prompt_cache_key, audit=self.cache_audit)
 
 
 def duration_seconds(value: Any) -> float | None:

@@ -104,12 +104,15 @@ class CachePolicy:
     conversation reuses both), ``prefix`` only the prompt. ``ttl_seconds``: how
     long its blocks live after their last use (None: the cache's default; 0: in
     memory only, never written to disk). ``session_id`` names a conversation
-    (OpenAI extension field, the agents API) so its cache state can be reported.
+    (OpenAI extension field, the agents API) so its cache state can be reported. ``audit`` asks for this
+    request's prefix hit to be recomputed cold on idle device time and compared (``cache_audit``; runtime's
+    prefix audit), whatever the cache's ``audit_rate``.
     """
 
     mode: CacheMode = "full"
     ttl_seconds: float | None = None
     session_id: str | None = None
+    audit: bool = False  # recompute a prefix hit cold and compare its first logits (``flow cache verify``)
 
 
 # Where an image sits in ``Message.content``: one per entry of ``Message.images``, in order. Decoders remove the

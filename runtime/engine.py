@@ -86,6 +86,7 @@ from runtime.outbox import Outbox
 from runtime.pass_cost import PassCost
 from runtime.passes import ModelPasses
 from runtime.prefill import Prefill
+from runtime.prefix_audit import AuditOutcome, PrefixAuditor, verify_prompt
 from runtime.prefix_cache import PrefixCache, PrefixHit, layer_windows
 from runtime.prefix_keeper import PrefixKeeper
 from runtime.replication import (
@@ -160,7 +161,8 @@ class Engine:
         self.speculator = Speculator(config.speculative, draft_model, model, passes, self._tally, step_cost,
                                      pipelined)
         self._decoder = Decoder(passes, self.speculator, self._keeper, self._tally, step_cost, pipelined)
-        self.prefill = Prefill(passes, self._keeper, self.speculator, self._tally, self._outbox,
+        self._auditor = PrefixAuditor(self.prefix, passes, config.prefill_chunk)
+        self.prefill = Prefill(passes, self._keeper, self.speculator, self._tally, self._outbox, self._auditor,
                                room=self._room, batch_rows=lambda: len(self._batch),
                                between_passes=self._drop_cancelled, fail=self._fail, wake=device.wake)
         self._launch: list[mx.array] = []  # CPU: the batch's pass decode left for the launch phase
@@ -168,7 +170,7 @@ class Engine:
         self._run: dict[Phase, Callable[[], bool]] = {
             Phase.INTAKE: self._intake, Phase.DECODE: self._decode, Phase.PREFILL: self._prefill,
             Phase.LAUNCH: self._launch_pass, Phase.ADMIT: self._admit, Phase.DELIVER: self._deliver,
-            Phase.CLOSE: self._close_step,
+            Phase.AUDIT: self._audit, Phase.CLOSE: self._close_step,
         }
         device.add_stepper(self)
 
@@ -205,7 +207,7 @@ class Engine:
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
                prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy(),
                constraint: Constraint | None = None, adapters: tuple[Adapter, ...] = (),
-               images: PromptImages | None = None) -> SequenceHandle:
+               images: PromptImages | None = None, label: str = "") -> SequenceHandle:
         """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
 
         ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
@@ -214,22 +216,22 @@ class Engine:
         the tokens its grammar does not allow at each step; ``adapters`` (mounted on this engine) apply to its
         rows, and ``prefix`` must come from a match with the same adapters. ``images`` (a vision model's prompt)
         are embedded by the model where their tokens sit; ``prefix`` must come from a match of the prompt's
-        :func:`runtime.vision.key_tokens`.
+        :func:`runtime.vision.key_tokens`. ``label`` names the request in logs (a prefix audit's disagreement).
         """
         return self.submit_choices(prompt, [(sampling, constraint)], max_tokens=max_tokens, stop_ids=stop_ids,
-                                   prefix=prefix, policy=policy, adapters=adapters, images=images)[0]
+                                   prefix=prefix, policy=policy, adapters=adapters, images=images, label=label)[0]
 
     def submit_choices(self, prompt: list[int], choices: list[tuple[SamplingParams, Constraint | None]], *,
                        max_tokens: int, stop_ids: frozenset[int], prefix: PrefixHit | None = None,
                        policy: CachePolicy = CachePolicy(), adapters: tuple[Adapter, ...] = (),
-                       images: PromptImages | None = None) -> list[SequenceHandle]:
+                       images: PromptImages | None = None, label: str = "") -> list[SequenceHandle]:
         """Queue one sequence per choice (its sampling and constraint) for one prompt, prefilled **once**: the
         choices become rows of the batch from copies of the first one's cache, each sampling its own tokens."""
         try:
             samplers = [SequenceSampler(sampling, constraint) for sampling, constraint in choices]
             if images is not None and not hasattr(self.model, "embed_prompt"):
                 raise ValueError("this model does not read images")
-            return self._submit(prompt, max_tokens, stop_ids, samplers, prefix, policy, adapters, images)
+            return self._submit(prompt, max_tokens, stop_ids, samplers, prefix, policy, adapters, images, label)
         except BaseException:
             if prefix is not None and self.prefix is not None:
                 self.prefix.release(prefix)
@@ -237,7 +239,7 @@ class Engine:
 
     def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], samplers: list[SequenceSampler],
                 prefix: PrefixHit | None, policy: CachePolicy, adapters: tuple[Adapter, ...],
-                images: PromptImages | None = None) -> list[SequenceHandle]:
+                images: PromptImages | None = None, label: str = "") -> list[SequenceHandle]:
         if self.lost is not None:
             raise self.lost
         if not prompt:
@@ -263,13 +265,15 @@ class Engine:
                                  policy=policy, adapters=adapters, namespace=self.namespace_for(adapters),
                                  hit=prefix if i == 0 else None, prefilled=cached_tokens,
                                  keys=prefix.keys if prefix is not None and i == 0 else None,
-                                 images=images if i == 0 else None))
+                                 images=images if i == 0 else None, label=label))
             handle.cached_tokens = cached_tokens
             if self.prefix is not None and i == 0:  # the choices after the first share its prefill
                 b = self.prefix.config.block_tokens
                 handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
         leader = seqs[0]
         leader.followers = seqs[1:]
+        # A sampled share of hits is audited: its first logits against a cold run's (runtime/prefix_audit.py).
+        leader.audit = prefix is not None and images is None and (policy.audit or self._auditor.wants())
         self._streams.update(s.handle for s in seqs)
         with self._lock:
             self._inbox.append(leader)
@@ -405,7 +409,8 @@ class Engine:
 
     # ------------------------------------------------------------------ device side: the step
     def has_work(self) -> bool:
-        return bool(self._inbox or self._batch.seqs or self._cancelled or self.prefill.has_work())
+        return bool(self._inbox or self._batch.seqs or self._cancelled or self.prefill.has_work()
+                    or self._auditor.pending)
 
     def step(self) -> None:
         """One engine step: intake, the work phases in the order ``runtime/step_phases.py`` gives for the
@@ -470,6 +475,12 @@ class Engine:
 
     def _deliver(self) -> bool:
         self._outbox.flush()
+        return True
+
+    def _audit(self) -> bool:
+        """Idle device time (nothing decodes, nothing waits): one chunk of a prefix-cache hit's cold rerun."""
+        if self._auditor.pending and not self._batch.seqs and not self.prefill.held and not self._inbox:
+            self._auditor.run_chunk()
         return True
 
     def _close_step(self) -> bool:

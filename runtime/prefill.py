@@ -48,6 +48,7 @@ from runtime.cache_surgery import (
 from runtime.engine_stats import Tally
 from runtime.outbox import Outbox
 from runtime.passes import ModelPasses
+from runtime.prefix_audit import PrefixAuditor
 from runtime.prefix_keeper import PrefixKeeper
 from runtime.sampling import sample_batch
 from runtime.sequence import Rows, Sequence, without
@@ -58,7 +59,7 @@ log = logging.getLogger("flow.engine")
 
 class Prefill:
     def __init__(self, passes: ModelPasses, keeper: PrefixKeeper, speculator: Speculator, tally: Tally,
-                 outbox: Outbox, *, room: Callable[[], int], batch_rows: Callable[[], int],
+                 outbox: Outbox, auditor: PrefixAuditor, *, room: Callable[[], int], batch_rows: Callable[[], int],
                  between_passes: Callable[[Rows | None], None], fail: Callable[[list[Sequence], BaseException], None],
                  wake: Callable[[], None]) -> None:
         self._passes = passes
@@ -66,6 +67,7 @@ class Prefill:
         self._speculator = speculator
         self._tally = tally
         self._outbox = outbox
+        self._auditor = auditor
         self._room = room  # rows the decode batch can still take (counting the ready ones)
         self._batch_rows = batch_rows  # rows decoding now
         self._between_passes = between_passes  # the engine applies the cancellations so far
@@ -304,9 +306,12 @@ class Prefill:
         sample = sample_batch(logits, [s.sampler for s in seqs], contexts)
         mx.eval(sample.tokens, *(sample.report.arrays() if sample.report else ()), [c.state for c in rows.cache])
         tokens: list[int] = sample.tokens.tolist()  # type: ignore[assignment]
-        for seq, token in zip(seqs, tokens):
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             if seq.sampler.constraint is not None:
                 seq.sampler.constraint.consume(token)
+            if seq.audit:  # the logits its prefix hit gave, to compare with a cold run's
+                self._auditor.queue(seq.label or f"sequence {seq.handle.id}", seq.prompt, seq.handle.cached_tokens,
+                                    logits[i], seq.adapters, asked=seq.policy.audit)
         logprobs: dict[Sequence, TokenLogprob] = {}
         if sample.report is not None:
             wanted = [seqs[r] for r in sample.report.rows]

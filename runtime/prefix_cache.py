@@ -96,7 +96,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -147,6 +147,7 @@ class PrefixConfig:
     disk_kv_bits: int | None = None  # blocks on disk quantized to this many bits (8), else as in memory
     default_ttl: float = 86400.0  # seconds a block lives after its last use unless a request says otherwise
     memory_only_ttl: float = 300.0  # blocks of ``ttl = 0`` requests: memory only, and this long at most
+    audit_rate: float = 0.0  # the share of hits recomputed cold on idle device time (runtime/prefix_audit.py)
 
 
 @dataclass(eq=False)
@@ -218,6 +219,24 @@ class PrefixStats:
     state_hits: int = 0  # hits restored from a state snapshot
     evictions: int = 0  # hot blocks pushed out of memory (to disk, or gone)
     expired: int = 0
+
+
+@dataclass
+class AuditStats:
+    """What the audit found (runtime/prefix_audit.py): hits recomputed cold and compared, for every model the
+    cache serves."""
+
+    audits: int = 0  # hits recomputed cold and compared
+    agreements: int = 0  # of those, the ones whose next token (argmax) was the same
+    max_difference: float = 0.0  # the largest |hit - cold| next-token logit seen
+    dropped: int = 0  # sampled hits not audited: the queue was full (a busy device has no idle time)
+    last_disagreement: dict[str, Any] | None = None  # the latest audit whose argmax differed
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=32))  # the latest audits
+
+    def json(self) -> dict[str, Any]:
+        return {"audits": self.audits, "agreements": self.agreements, "disagreements": self.audits - self.agreements,
+                "max_difference": round(self.max_difference, 6), "dropped": self.dropped,
+                "last_disagreement": self.last_disagreement, "recent": list(self.recent)}
 
 
 def layer_windows(cache: Sequence[Any]) -> Windows | str:
@@ -464,6 +483,7 @@ class PrefixCache:
         self.config = config
         self.disk = disk
         self.stats = PrefixStats()
+        self.audit = AuditStats()  # written by the engines' auditors on the device thread
         self.hot_bytes = 0
         self.sessions: dict[str, SessionState] = {}
         self._blocks: dict[bytes, Block] = {}  # every block in memory (hot, or read back and waiting)
@@ -869,6 +889,7 @@ class PrefixCache:
             }
             recent = sorted(self.sessions, key=lambda k: self.sessions[k].last_access)[-SESSIONS_SHOWN:]
         out["recent_sessions"] = {sid: self.session(sid) for sid in reversed(recent)}
+        out["audit"] = {"rate": self.config.audit_rate, **self.audit.json()}
         if self.disk is not None:
             disk = self.disk.stats()
             out["blocks"]["warm"] = disk["blocks"]

@@ -81,6 +81,32 @@ class SequenceHandle:
         self.chunks.close()
 
 
+@dataclass(frozen=True)
+class RopePositions:
+    """A row's 3-D (M-RoPE) positions, for a vision model whose language model takes them (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL): computed once from its prompt and images, its own whatever the batch around it.
+
+    A text token at index ``i`` sits at ``i + delta`` in all three dimensions; an image's tokens sit at their
+    (t, row, column) in its grid, and the text after the image goes on from the largest of those, so a prompt with
+    images ends ``-delta`` positions below its length (mlx-vlm's ``rope_deltas``, which it keeps on the model for
+    the one sequence it runs). Generated tokens are text: each at its index plus ``delta``."""
+
+    prompt: mx.array | None  # [3, len(prompt)] int32: the prompt's positions where an image sits in it; else None
+    delta: int
+
+    def window(self, start: int, length: int) -> mx.array:
+        """The positions of the ``length`` tokens from index ``start`` on: [3, length]."""
+        text = mx.arange(start + self.delta, start + self.delta + length, dtype=mx.int32)
+        prompt = self.prompt
+        if prompt is None or start >= prompt.shape[1]:
+            return mx.broadcast_to(text[None], (3, length))
+        known = prompt[:, start : start + length]
+        tail = length - known.shape[1]
+        if tail <= 0:
+            return known
+        return mx.concatenate([known, mx.broadcast_to(text[None, -tail:], (3, tail))], axis=1)
+
+
 @dataclass(eq=False)
 class Sequence:
     handle: SequenceHandle
@@ -109,6 +135,9 @@ class Sequence:
     images: PromptImages | None = None  # a vision model's prompt with images (their arrays and token spans)
     embeds: mx.array | None = None  # its prompt's input embeddings while an image span is left to prefill
     tower: concurrent.futures.Future[mx.array] | None = None  # its images' vision-tower job, while it runs
+    rope: RopePositions | None = None  # its 3-D positions (an M-RoPE vision model), made at its first pass
+    label: str = ""  # the request it serves, as logs name it
+    audit: bool = False  # its prefix hit's first logits are recomputed cold and compared (runtime/prefix_audit.py)
 
     @cached_property
     def keyed(self) -> list[int]:
@@ -260,7 +289,9 @@ def without(queue: deque[Sequence], cancelled: set[int]) -> tuple[deque[Sequence
         if alive:
             heir = alive[0]
             heir.cache, heir.hit, heir.prefilled, heir.keys = seq.cache, seq.hit, seq.prefilled, seq.keys
+            # A vision prompt's images go on with it: their spans still to prefill, their positions.
+            heir.images, heir.embeds, heir.tower, heir.rope = seq.images, seq.embeds, seq.tower, seq.rope
             heir.followers = alive[1:]
-            seq.cache, seq.hit, seq.followers = None, None, []
+            seq.cache, seq.hit, seq.followers, seq.embeds, seq.tower = None, None, [], None, None
             kept.append(heir)
     return kept, dropped

@@ -467,6 +467,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return launch_main(args.launch_args)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from flow.cli.cache_verify import main as verify_main
+
+    return verify_main(args.cache_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flow", description="A local inference server for MLX models.")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
@@ -555,6 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="run Claude Code, Codex or OpenCode on a flow server, configured for it "
                                       "(see --help)", add_help=False)
     p.set_defaults(func=cmd_launch, launch_args=[])
+
+    p = sub.add_parser("cache", help="the prefix cache: `flow cache verify FILE` checks that a hit gives a "
+                                     "conversation the same next token as a cold run (see --help)", add_help=False)
+    p.add_argument("action", choices=["verify"])
+    p.set_defaults(func=cmd_cache, cache_args=[])
     return parser
 
 
@@ -564,10 +575,12 @@ def main(argv: list[str] | None = None) -> int:
         args.bench_args = extra  # flow bench has its own options (flow bench --help)
     elif args.command == "launch":
         args.launch_args = extra  # so has flow launch; and what follows its -- is the client's
+    elif args.command == "cache":
+        args.cache_args = extra  # flow cache verify's own options
     elif extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command in ("serve", "bench") and argv is None:
+    if args.command in ("serve", "bench", "cache") and argv is None:
         from flow.cli.blas import reexec_with_openblas
 
         reexec_with_openblas()

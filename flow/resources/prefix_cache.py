@@ -54,6 +54,9 @@ class PrefixCacheConfig(ResourceConfig):
     disk_kv_bits: Literal[4, 8] | None = Field(
         default=None, description="quantize blocks on disk to 8 (or 4) bits, in groups along the head dimension: "
                                   "about 2x (4x from float32) the blocks per GiB, read back slightly lossy")
+    audit_rate: float = Field(default=0.0, ge=0.0, le=1.0,
+                              description="the share of cache hits recomputed cold on idle device time, their "
+                                          "next-token logits compared with the hit's (/stats audit; 0: off)")
     models: list[str] = Field(default_factory=list, description="model resources that use it (default: all)")
 
 
@@ -71,7 +74,7 @@ class PrefixCacheResource(Resource):
         settings = self.config
         self.cache = PrefixCache(PrefixConfig(block_tokens=settings.block_tokens, hot_bytes=settings.hot_bytes,
                                               default_ttl=settings.default_ttl_seconds,
-                                              disk_kv_bits=settings.disk_kv_bits))
+                                              disk_kv_bits=settings.disk_kv_bits, audit_rate=settings.audit_rate))
         self._device: DeviceThread | None = None
         self.disk_error: str | None = None  # why the disk tier did not start
         self.memory_only = False  # it serves a distributed model: no disk tier
@@ -145,7 +148,17 @@ class PrefixCacheResource(Resource):
         size.set(s.get("disk", {}).get("bytes", 0), tier="warm", **rid)
         evictions = Metric("flow_prefix_cache_evictions_total", "Blocks pushed out of memory.", "counter")
         evictions.set(s["evictions"], **rid)
-        return [lookups, hits, reused, rate, blocks, size, evictions]
+        audit = s["audit"]
+        audits = Metric("flow_prefix_cache_audits_total", "Cache hits recomputed cold and compared (audit_rate).",
+                        "counter")
+        audits.set(audit["audits"], **rid)
+        agreements = Metric("flow_prefix_cache_audit_agreements_total",
+                            "Audited hits whose next token (argmax) equals the cold run's.", "counter")
+        agreements.set(audit["agreements"], **rid)
+        difference = Metric("flow_prefix_cache_audit_max_difference",
+                            "The largest |hit - cold| next-token logit an audit found.", "gauge")
+        difference.set(audit["max_difference"], **rid)
+        return [lookups, hits, reused, rate, blocks, size, evictions, audits, agreements, difference]
 
 
 # One warm tier per directory in the process: a reload that rebuilds a prefix cache opens the new one while
