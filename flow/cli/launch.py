@@ -183,6 +183,11 @@ CLIENTS: dict[str, Client] = {c.name: c for c in (
             # compacts too late); and a per-turn output budget that leaves room for the prompt.
             "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "{context}",
             "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "{output}",
+            # A local prefill of Claude Code's ~20k-token prompt can take minutes on a small machine, with no event
+            # before the first token: its stream watchdog (5 minutes by default) would cut the stream and send it
+            # all again. 30 minutes is the byte watchdog's ceiling; the request timeout matches it.
+            "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
+            "API_TIMEOUT_MS": "1800000",
             "CLAUDE_CONFIG_DIR": "{config}",
             "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": _OFF,
             "DISABLE_TELEMETRY": _OFF,
