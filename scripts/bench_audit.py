@@ -1,0 +1,101 @@
+"""The prefix-cache audit's cost: throughput with ``audit_rate`` 0, 0.01 and 1, alternating, in one server.
+
+Run (OpenBLAS preloaded first, as the test script does)::
+
+    eval "$(.venv/bin/python -m flow.cli.blas)"
+    .venv/bin/python scripts/bench_audit.py --model tiny:bench-80m --rounds 3
+
+One flow server (the default graph, an in-memory prefix cache) and ``--clients`` concurrent clients that each send
+``--requests`` chat requests under one shared system prompt (every request after the first is a prefix-cache hit)
+with a question of its own, ``--max-tokens`` greedy tokens each. Each round runs every rate once, in an order that
+rotates from round to round; the rate is the engine's own setting, changed between runs. Figures per rate: the
+median over rounds of completion tokens per second (all clients), and the audits run and dropped (an audit only
+runs on idle device time, so under steady load most sampled hits are dropped rather than slowing the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flow.builtins import compile_tables  # noqa: E402
+from flow.catalog.bundled import graphs_dir  # noqa: E402
+from flow.graph.spec import load_tables  # noqa: E402
+from flow.serve.embedded import RunningServer, running_server  # noqa: E402
+
+SYSTEM = "You are a careful assistant for the harbour office; answer in one short sentence. " * 20
+
+
+def client(url: str, index: int, requests: int, max_tokens: int, salt: str) -> int:
+    tokens = 0
+    with httpx.Client(timeout=600) as http:
+        for i in range(requests):
+            body = {"model": "bench", "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "system", "content": SYSTEM},
+                                 {"role": "user", "content": f"Question {salt}-{index}-{i}: which ships leave?"}]}
+            answer = http.post(url + "/v1/chat/completions", json=body)
+            answer.raise_for_status()
+            tokens += answer.json()["usage"]["completion_tokens"]
+    return tokens
+
+
+def run_once(server: RunningServer, rate: float, args: argparse.Namespace, salt: str) -> dict[str, Any]:
+    engine = server.server.models[0].require().engine
+    engine._auditor.rate = rate
+    audit = engine.prefix.audit
+    before = (audit.audits, audit.dropped)
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+        tokens = sum(pool.map(lambda i: client(server.base_url, i, args.requests, args.max_tokens, salt),
+                              range(args.clients)))
+    seconds = time.perf_counter() - start
+    deadline = time.monotonic() + 60  # the audits sampled in this run finish on the idle device before the next
+    while engine._auditor.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"tps": tokens / seconds, "audits": audit.audits - before[0], "dropped": audit.dropped - before[1]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model", default="tiny:bench-80m")
+    parser.add_argument("--rates", default="0,0.01,1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=6, help="requests per client per run")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    rates = [float(r) for r in args.rates.split(",")]
+    tables = load_tables(graphs_dir() / "default.toml")
+    tables["resources"]["model"].update(path=args.model, name="bench", aliases=[], max_batch=args.clients)
+    tables["resources"]["prefix_cache"].update(disk=False)
+    runs: dict[float, list[dict[str, Any]]] = {rate: [] for rate in rates}
+    with running_server(compile_tables(tables, "bench audit")) as server:
+        run_once(server, 0.0, argparse.Namespace(clients=2, requests=2, max_tokens=4), "warm")
+        for r in range(args.rounds):
+            order = rates[r % len(rates):] + rates[: r % len(rates)]
+            for rate in order:
+                runs[rate].append(run_once(server, rate, args, f"r{r}"))
+                print(f"round {r + 1}: rate {rate:g}: {runs[rate][-1]['tps']:.1f} tok/s", file=sys.stderr)
+    base = statistics.median(run["tps"] for run in runs[rates[0]])
+    print(f"model `{args.model}`, {args.clients} clients x {args.requests} requests x {args.max_tokens} tokens, "
+          f"medians of {args.rounds} rounds (alternating)\n")
+    print("| audit_rate | tok/s | vs rate 0 | audits run | sampled but dropped |")
+    print("|---|---|---|---|---|")
+    for rate in rates:
+        tps = statistics.median(run["tps"] for run in runs[rate])
+        print(f"| {rate:g} | {tps:.1f} | {tps / base:.3f} | {sum(r['audits'] for r in runs[rate])} | "
+              f"{sum(r['dropped'] for r in runs[rate])} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
