@@ -403,3 +403,35 @@ def test_a_turn_is_released_only_by_the_request_that_holds_it(tmp_path: Path) ->
     assert store.busy("a") and store.busy("b")
     store.end_turn("a", "req-4")
     assert not store.busy("a")
+
+
+# --------------------------------------------------------------------------- hybrid models
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-nemotron-h"])  # gated-delta layers; Mamba-2 layers
+def test_an_agent_on_a_hybrid_model_reuses_its_turns_as_a_cold_run_would_answer(preset: str, tmp_path: Path) -> None:
+    """A hybrid model's recurrent layers come back from state snapshots: each turn of an agent resumes from the
+    last one's turn point or deeper, answers as a server that never saw the conversation does, and after a restart
+    resumes from the disk tier."""
+    from runtime.prefix_keeper import TURN_MARGIN
+    from runtime.tiny import ensure_tiny_model
+
+    model = ensure_tiny_model(preset)
+    with agent_server(model, tmp_path / "served") as first:
+        create(first, id="hybrid", system_prompt=SYSTEM)
+        turn1 = generate(first, "hybrid", "Where is the lamp?")
+        turn2 = generate(first, "hybrid", "And the ships?")
+        prompt1 = turn1["usage"]["prompt_tokens"]
+        assert cached(turn2["usage"]) >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK > 0
+        history = get(first, "hybrid")["history"]
+    with agent_server(model, tmp_path / "cold") as cold:  # an empty cache: the second turn computed in full
+        plain = api(cold, "POST", "/chat/completions", {
+            "model": "tiny", "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, *history[:2],
+                         {"role": "user", "content": "And the ships?"}]}).json()
+        assert cached(plain["usage"]) == 0
+        assert plain["choices"][0]["message"]["content"] == turn2["choices"][0]["message"]["content"]
+    with agent_server(model, tmp_path / "served") as again:  # a restart: the snapshots come from disk
+        turn3 = generate(again, "hybrid", "Is a storm coming?")
+        assert cached(turn3["usage"]) >= (turn2["usage"]["prompt_tokens"] - 1 - TURN_MARGIN) // BLOCK * BLOCK
+        assert httpx.get(again.base_url + "/stats", timeout=10).json()["resources"]["prefix_cache"]["disk_reads"] > 0
