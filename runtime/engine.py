@@ -272,8 +272,10 @@ class Engine:
                 handle.cache_write_tokens = max(0, (len(prompt) - 1) // b * b - cached_tokens)
         leader = seqs[0]
         leader.followers = seqs[1:]
-        # A sampled share of hits is audited: its first logits against a cold run's (runtime/prefix_audit.py).
-        leader.audit = prefix is not None and images is None and (policy.audit or self._auditor.wants())
+        # A sampled share of hits is audited: its first logits against a cold run's (runtime/prefix_audit.py). Not
+        # on a distributed model: a cold rerun on rank 0 alone would issue collectives the other ranks never join.
+        leader.audit = (prefix is not None and images is None and self._replicator is None
+                        and (policy.audit or self._auditor.wants()))
         self._streams.update(s.handle for s in seqs)
         with self._lock:
             self._inbox.append(leader)
