@@ -70,7 +70,10 @@ class Decoder:
     def _plain(self, batch: DecodeBatch) -> Decoded:
         inputs = batch.inputs
         assert inputs is not None
-        logits, hidden = self._passes.run(inputs[:, None], batch.cache, [s.adapters for s in batch.seqs])
+        # An input's index is its row's prompt and the tokens fed back before it (M-RoPE models' positions).
+        positions = self._passes.positions(batch.seqs, [len(s.prompt) + len(s.fed) for s in batch.seqs], 1)
+        logits, hidden = self._passes.run(inputs[:, None], batch.cache, [s.adapters for s in batch.seqs],
+                                          positions=positions)
         logits = logits[:, -1, :]
         self._passes.quantize(batch.cache)
         contexts: list[mx.array | None] = []

@@ -158,7 +158,12 @@ def load_model(name: str, path: Path, device: DeviceThread, engine_config: Engin
 
             model: Any
             model, processor = load_vision_model(path, device, vision_share, lazy=True)
-            tokenizer = load_tokenizer(path)  # type: ignore[no-untyped-call]  # the processor's files
+            # The processor's files, with the end tokens of generation_config.json as mlx-lm's and mlx-vlm's loads
+            # take them (Qwen-VL's config.json names <|im_end|> only, its generation config <|endoftext|> too).
+            from mlx_lm.utils import load_config
+
+            ends = load_config(path).get("eos_token_id")
+            tokenizer = load_tokenizer(path, eos_token_ids=ends)  # type: ignore[no-untyped-call]
             inner = getattr(tokenizer, "_tokenizer", tokenizer)
             if not getattr(inner, "chat_template", None) and getattr(processor, "chat_template", None):
                 inner.chat_template = processor.chat_template  # repositories ship it beside the processor

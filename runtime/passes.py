@@ -6,12 +6,17 @@ embeddings (its images' features where they sit), and — when the model's own M
 hidden states those layers draft from, out of the same pass. After a pass the live KV is quantized once long
 enough (when the model serves it quantized), as mlx-lm does.
 
+A vision model whose language model takes 3-D positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) gets every
+row's positions with every pass (:meth:`ModelPasses.positions`): each row's own, from the
+:class:`runtime.sequence.RopePositions` made from its prompt and images at its first pass — never a position
+state kept on the model, which serves one sequence in mlx-vlm and every row of the batch here.
+
 Never imports the engine, the prefix cache or trio.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +24,8 @@ import mlx.core as mx
 from runtime.adapters import Adapter, AdapterSet
 from runtime.mtp import MTPDrafter
 from runtime.quantized_kv import KVQuantizer
+from runtime.sequence import RopePositions
+from runtime.sequence import Sequence as Row
 
 
 class ModelPasses:
@@ -29,11 +36,18 @@ class ModelPasses:
         self.quantizer = quantizer
 
     def run(self, window: mx.array, cache: list[Any], adapters: Iterable[tuple[Adapter, ...]],
-            embeddings: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+            embeddings: mx.array | None = None, positions: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
         """The model on ``window`` (``[rows, tokens]``): its logits and, when the MTP layers draft (and the window
-        is tokens, not a vision chunk's embeddings), the final hidden states they draft from."""
+        is tokens, not a vision chunk's embeddings), the final hidden states they draft from. ``positions``: the
+        rows' 3-D positions (:meth:`positions`), which an M-RoPE model needs with every pass."""
         if self.adapters:
             self.adapters.route(list(adapters))
+        if positions is None and self.mrope:
+            positions = _text_positions(cache, window)
+        if positions is not None:
+            with_positions: mx.array = self.model(window, cache=cache, input_embeddings=embeddings,
+                                                  positions=positions)
+            return with_positions, None
         if embeddings is not None:
             with_images: mx.array = self.model(window, cache=cache, input_embeddings=embeddings)
             return with_images, None
@@ -42,7 +56,41 @@ class ModelPasses:
         logits: mx.array = self.model(window, cache=cache)
         return logits, None
 
+    @property
+    def mrope(self) -> bool:
+        """The model takes 3-D (M-RoPE) positions with every pass."""
+        return bool(getattr(self.model, "mrope", False))
+
+    def positions(self, rows: Sequence[Row], starts: Sequence[int], length: int) -> mx.array | None:
+        """The 3-D positions of a pass over ``length`` tokens per row, row ``i`` from its index ``starts[i]`` on
+        (``[3, rows, length]``); None for a model with ordinary positions (they come from its caches' offsets)."""
+        if not self.mrope:
+            return None
+        ropes = [self.rope(row) for row in rows]
+        if all(r.prompt is None or start >= r.prompt.shape[1] for r, start in zip(ropes, starts)):
+            # Decoding (and text prompts): every row at its index plus its delta, one small array for the batch.
+            first = mx.array([start + r.delta for r, start in zip(ropes, starts)], dtype=mx.int32)
+            grid = first[:, None] + mx.arange(length, dtype=mx.int32)[None]
+            return mx.broadcast_to(grid[None], (3, len(ropes), length))
+        return mx.stack([r.window(start, length) for r, start in zip(ropes, starts)], axis=1)
+
+    def rope(self, row: Row) -> RopePositions:
+        """The row's 3-D positions, made from its prompt and images on first use (an M-RoPE model only)."""
+        if row.rope is None:
+            prompt, delta = self.model.rope_index(row.prompt, row.images)
+            row.rope = RopePositions(prompt, delta)
+        return row.rope
+
     def quantize(self, cache: list[Any]) -> None:
         """After a forward pass (as mlx-lm does): quantize the cache once it is long enough (when set)."""
         if self.quantizer is not None:
             self.quantizer.apply(cache)
+
+
+def _text_positions(cache: list[Any], window: mx.array) -> mx.array:
+    """3-D positions for a pass whose rows are text from their caches' ends (each token at its index in all three
+    dimensions): a pass that brings no row state, as the prefix audit's cold run of a text prompt."""
+    offset = cache[0].offset
+    first = offset if isinstance(offset, mx.array) else mx.array([offset] * window.shape[0])
+    grid = first.astype(mx.int32)[:, None] + mx.arange(window.shape[1], dtype=mx.int32)[None]
+    return mx.broadcast_to(grid[None], (3, *grid.shape))

@@ -190,7 +190,8 @@ class Prefill:
                 return self._embed_images(seq)
             chunk = mx.array(seq.prompt[seq.prefilled : seq.prefilled + n])
             embeds = None if seq.embeds is None else seq.embeds[:, seq.prefilled : seq.prefilled + n]
-            _, hidden = self._passes.run(chunk[None], seq.cache, [seq.adapters], embeds)
+            positions = self._passes.positions([seq], [seq.prefilled], n)
+            _, hidden = self._passes.run(chunk[None], seq.cache, [seq.adapters], embeds, positions)
             self._speculator.prompt_hidden(seq, seq.prefilled, None if hidden is None else hidden[0])
             self._passes.quantize(seq.cache)
             mx.eval([c.state for c in seq.cache])
@@ -221,6 +222,8 @@ class Prefill:
                     other.cache = self._keeper.new_cache(other)  # nothing (more) to prefill
             for follower in choices[1:]:
                 follower.cache, follower.prefilled = seq.cache, seq.prefilled  # merged into copies below
+                if self._passes.mrope:
+                    follower.rope = self._passes.rope(seq)  # the prompt's positions: its images are the leader's
             self.start(Rows.merge(starting))
             self._outbox.flush()
         except Exception as exc:
@@ -277,7 +280,8 @@ class Prefill:
         if any(padding):
             for c in rows.cache:
                 c.prepare(lengths=lengths, right_padding=padding)
-        _, hidden = self._passes.run(tokens, rows.cache, [s.adapters for s in group])
+        positions = self._passes.positions(group, starts, longest)
+        _, hidden = self._passes.run(tokens, rows.cache, [s.adapters for s in group], positions=positions)
         if hidden is not None:
             for row, (seq, start, n) in enumerate(zip(group, starts, lengths)):
                 self._speculator.prompt_hidden(seq, start, hidden[row, :n])
@@ -296,7 +300,8 @@ class Prefill:
         wait in ready for the batch."""
         seqs = rows.seqs
         last = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
-        logits, hidden = self._passes.run(last[:, None], rows.cache, [s.adapters for s in seqs])
+        positions = self._passes.positions(seqs, [len(s.prompt) - 1 for s in seqs], 1)
+        logits, hidden = self._passes.run(last[:, None], rows.cache, [s.adapters for s in seqs], positions=positions)
         logits = logits[:, -1, :]
         self._passes.quantize(rows.cache)
         for i, seq in enumerate(seqs if hidden is not None else ()):

@@ -14,6 +14,15 @@ vision-tower features (mlx-vlm's ``get_input_embeddings``). Two caches make a re
 
 Images are turned into pixel arrays by the model's own processor (transformers, numpy) on a worker thread
 (:func:`prompt_inputs`); only the device thread touches MLX.
+
+Models whose language model takes **3-D positions** (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the others whose
+mlx-vlm language model has ``get_rope_index``) are served too. mlx-vlm keeps their position state (``rope_deltas``,
+the prompt's position ids) on the model, for the one sequence it runs; here every pass gets its rows' positions
+from the engine instead (:meth:`VisionLanguageModel.rope_index` makes a row's from its prompt and image grids,
+with mlx-vlm's own ``get_rope_index``; ``runtime/passes.py`` lays them out per pass), so the model holds no
+per-sequence state at all. Qwen3-VL's *deepstack* features (tower layers added to the first decoder layers' hidden
+states at the image's positions) travel with the input embeddings: rows below the first, zero where no image
+sits, gathered at the image positions of each chunk.
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -81,6 +90,8 @@ class VisionLanguageModel(Module):
         self.image_token_id = int(token)
         self.features = FeatureCache(feature_slots)
         self.tower_passes = 0
+        # 3-D (M-RoPE) positions: the engine hands every pass its rows' positions (runtime/passes.py).
+        self.mrope = callable(getattr(vlm.language_model, "get_rope_index", None))
 
     # ---------------------------------------------------------------- the engine's text-model interface
     @property
@@ -119,10 +130,45 @@ class VisionLanguageModel(Module):
                                  "does not batch yet")
         return out
 
-    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
-        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None,
+                 positions: mx.array | None = None) -> mx.array:
+        """Logits for ``inputs`` (``[rows, tokens]``), from ``input_embeddings`` where given (a vision prompt's
+        chunk: ``[1 + deepstack layers, tokens, hidden]`` for one row); ``positions`` (``[3, rows, tokens]``) an
+        M-RoPE model needs with every pass, for it keeps no position state of its own here."""
+        extra: dict[str, Any] = {}
+        if self.mrope:
+            if positions is None:
+                raise ValueError("an M-RoPE language model needs its rows' 3-D positions with every pass")
+            extra["position_ids"] = positions
+        if input_embeddings is not None and input_embeddings.shape[0] > inputs.shape[0]:
+            input_embeddings, extra = self._deepstack(inputs, input_embeddings, extra)
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **extra)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
+
+    def _deepstack(self, inputs: mx.array, embeds: mx.array,
+                   extra: dict[str, Any]) -> tuple[mx.array, dict[str, Any]]:
+        """Split a one-row chunk's embeddings into its input embeddings and its deepstack features, each layer's
+        gathered at the chunk's image positions as mlx-vlm hands them (compact, in token order)."""
+        mask = inputs == self.image_token_id
+        at = np.flatnonzero(np.asarray(mask[0]))
+        if at.size:
+            index = mx.array(at, dtype=mx.uint32)
+            deep = embeds[1:]
+            extra = {**extra, "visual_pos_masks": mask,
+                     "deepstack_visual_embeds": [deep[layer][index] for layer in range(deep.shape[0])]}
+        return embeds[:1], extra
+
+    # ---------------------------------------------------------------- 3-D positions
+    def rope_index(self, tokens: Sequence[int], images: PromptImages | None) -> tuple[mx.array | None, int]:
+        """A prompt's 3-D positions (``[3, tokens]``, None for a prompt without images: each token at its index)
+        and its rope delta (what decoding adds to a token's index), by mlx-vlm's ``get_rope_index``."""
+        grid = None if images is None else dict(images.arrays).get("image_grid_thw")
+        if grid is None:
+            return None, 0
+        ids = mx.array([list(tokens)], dtype=mx.int32)
+        positions, deltas = self.language_model.get_rope_index(ids, mx.array(grid), None, None)
+        return positions[:, 0].astype(mx.int32), int(np.asarray(deltas).reshape(-1)[0])
 
     # ---------------------------------------------------------------- images
     def features_cached(self, images: PromptImages) -> bool:
@@ -147,10 +193,16 @@ class VisionLanguageModel(Module):
         full = self.vlm.get_input_embeddings(ids, pixels, mask=mask, **arrays)
         self.tower_passes += 1
         embeds = getattr(full, "inputs_embeds", full)
+        deep = getattr(full, "deepstack_visual_embeds", None)
+        if deep is not None:  # Qwen3-VL: the deepstack layers' features, as rows below, where the image sits
+            at = mx.array(np.flatnonzero(np.asarray(tokens) == self.image_token_id), dtype=mx.uint32)
+            layers = mx.stack(list(deep)).astype(embeds.dtype)
+            rows = mx.zeros((layers.shape[0], *embeds.shape[1:]), dtype=embeds.dtype).at[:, at].add(layers)
+            embeds = mx.concatenate([embeds, rows], axis=0)
         mx.eval(embeds)
         for digest in digests:
-            self.features.put(digest, mx.concatenate([embeds[0, s.start:s.end] for s in images.spans
-                                                      if s.digest == digest], axis=0))
+            self.features.put(digest, mx.concatenate([embeds[:, s.start:s.end] for s in images.spans
+                                                      if s.digest == digest], axis=1))
         return embeds
 
 
@@ -163,7 +215,12 @@ def _image_digests(spans: Sequence[ImageSpan]) -> list[bytes]:
 
 
 def _with_rows(embeds: mx.array, spans: Sequence[ImageSpan], rows: dict[bytes, mx.array]) -> mx.array:
-    """``embeds`` with each span's rows taken from its image's cached features (in the image's span order)."""
+    """``embeds`` (the prompt's text embeddings) with each span's rows taken from its image's cached features (in
+    the image's span order); features with deepstack layers (``[1 + layers, tokens, hidden]``) add those layers as
+    rows below, zero under the text."""
+    depth = max(r.shape[0] for r in rows.values())
+    if depth > embeds.shape[0]:
+        embeds = mx.concatenate([embeds, mx.zeros((depth - embeds.shape[0], *embeds.shape[1:]), embeds.dtype)])
     pieces: list[mx.array] = []
     at = 0
     used: dict[bytes, int] = {}
@@ -171,7 +228,7 @@ def _with_rows(embeds: mx.array, spans: Sequence[ImageSpan], rows: dict[bytes, m
         pieces.append(embeds[:, at:span.start])
         offset = used.get(span.digest, 0)
         n = span.end - span.start
-        pieces.append(rows[span.digest][None, offset:offset + n].astype(embeds.dtype))
+        pieces.append(rows[span.digest][:, offset:offset + n].astype(embeds.dtype))
         used[span.digest] = offset + n
         at = span.end
     pieces.append(embeds[:, at:])
@@ -222,27 +279,30 @@ def _tokens_per_image(processor: Any, images: Sequence[Any], image_token_id: int
     return counts
 
 
-# Language models the engine cannot batch yet: 3-D (M-RoPE) positions that depend on the image grid, or
-# cross-attention to the image instead of image tokens in the sequence.
+# Vision models whose language model reads the image by cross-attention (not image tokens in the prompt).
+_CROSS_ATTENTION_TYPES = frozenset({"mllama"})
+# Model types whose language model takes 3-D (M-RoPE) positions, whatever their config's rope section says.
 _MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v",
                           "glm4v_moe", "glm_ocr", "paddleocr_vl", "keye_vl", "dots_ocr"})
-_CROSS_ATTENTION_TYPES = frozenset({"mllama"})
 
 
 def unbatchable(config: dict[str, Any]) -> str | None:
-    """Why flow's engine cannot serve this vision model yet (None: it can)."""
+    """Why flow's engine cannot serve this vision model yet, from its config alone (None: it can)."""
     model_type = str(config.get("model_type", ""))
+    if model_type in _CROSS_ATTENTION_TYPES:
+        return (f"a {model_type} model reads images by cross-attention, which flow's engine does not batch yet (it "
+                "needs each row's cross-attention states kept with the row and its text-only rows skipping the "
+                "cross-attention layers); vision models with image tokens in the prompt (SmolVLM/Idefics3, Gemma 3, "
+                "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, …) are served")
+    return None
+
+
+def declares_mrope(config: dict[str, Any]) -> bool:
+    """Whether a vision model's config says its language model takes 3-D (M-RoPE) positions."""
     text = config.get("text_config") or {}
     rope = {**(config.get("rope_scaling") or {}), **(text.get("rope_scaling") or {}),
             **(text.get("rope_parameters") or {})}
-    if model_type in _MROPE_TYPES or "mrope_section" in rope:
-        return (f"a {model_type} model's language model takes 3-D (M-RoPE) positions, which flow's engine does not "
-                "batch yet; vision models with ordinary positions (SmolVLM/Idefics3, Gemma 3, LLaVA, Pixtral, …) "
-                "are served")
-    if model_type in _CROSS_ATTENTION_TYPES:
-        return (f"a {model_type} model reads images by cross-attention, which flow's engine does not batch yet; "
-                "vision models with image tokens in the prompt (SmolVLM/Idefics3, Gemma 3, LLaVA, …) are served")
-    return None
+    return str(config.get("model_type", "")) in _MROPE_TYPES or "mrope_section" in rope
 
 
 def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, feature_slots: int = 32,
@@ -252,7 +312,8 @@ def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, fea
     of a sliced worker that gets ``share`` of the device while streams decode."""
     from mlx_vlm.utils import load
 
-    unsupported = unbatchable(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    unsupported = unbatchable(config)
     if unsupported:
         raise ModelNotAvailable(f"{path}: {unsupported}. To serve its text side through mlx-lm (where mlx-lm has the "
                                 "architecture), set kind = \"text\" on its [resources.*] table.")
@@ -265,7 +326,12 @@ def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, fea
         tower = getattr(vlm, name, None)
         if tower is not None:
             _checkpoint_layers(tower, worker.checkpoint)
-    return VisionLanguageModel(vlm, worker, feature_slots), processor
+    model = VisionLanguageModel(vlm, worker, feature_slots)
+    if declares_mrope(config) and not model.mrope:
+        raise ModelNotAvailable(f"{path}: its language model takes 3-D (M-RoPE) positions, but mlx-vlm's "
+                                f"{config.get('model_type')} language model has no get_rope_index to compute a "
+                                "row's positions from its prompt and image grids, which flow's engine needs")
+    return model, processor
 
 
 def _checkpoint_layers(module: Any, checkpoint: Callable[[], None]) -> None:

@@ -12,6 +12,8 @@ What sets them apart from the other vision models, and what these tiny ones keep
   merge_size`` pixels, between ``min_pixels`` and ``max_pixels`` (here: at most ``image_size`` squared), so an
   image costs ``(h / 16) * (w / 16)`` tokens with 8-pixel patches — 15 for 80 x 48, at most 16. The prompt writes
   ``<|vision_start|><|image_pad|><|vision_end|>`` and the processor repeats the pad once per image token.
+* **Sharper attention**: the language model's matrices are drawn at 0.1 (:attr:`ArchInfo.layer_std`), so that its
+  greedy output changes when an image's positions or a row's rope delta are wrong.
 * **The towers**: Qwen2-VL's ViT with 2x2 patch merging; Qwen2.5-VL's with window attention (``window_size``
   pixels; ``fullatt_block_indexes`` attend globally); Qwen3-VL's with learned position embeddings
   (``num_position_embeddings``, a square grid it interpolates) and **deepstack**: the outputs of the tower layers
@@ -64,6 +66,9 @@ def qwen_vl_info(arch: str) -> ArchInfo:
         chat_template=QWEN3_VL_TEMPLATE if arch == "qwen3_vl" else QWEN2_VL_TEMPLATE,
         tie_embeddings=False,  # a random model with a tied head mostly repeats its last input token
         generation_defaults={"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8},
+        # The language model's layers at 0.1: at 0.02 its attention is nearly uniform, so its output hardly
+        # depends on positions, and no test could tell an image's 3-D positions (or a lost rope delta) from 1-D ones.
+        layer_std=0.1,
     )
 
 

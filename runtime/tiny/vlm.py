@@ -214,11 +214,13 @@ def _random_weights(arch: str, spec: TinySpec, config: dict[str, Any]) -> dict[s
     names = sorted(params)
     keys = mx.random.split(mx.random.key(spec.seed), len(names))
     dtype = getattr(mx, spec.dtype)
+    layer_std = vlm_arch_info(arch).layer_std or INIT_STD  # the language model's matrices (not its embeddings)
     weights: dict[str, mx.array] = {}
     for i, name in enumerate(names):
         value = params[name]
         if value.ndim >= 2:  # embeddings, projections, conv patches: HF-style N(0, 0.02)
-            value = mx.random.normal(value.shape, key=keys[i]) * INIT_STD
+            text = name.startswith("language_model.") and "embed" not in name
+            value = mx.random.normal(value.shape, key=keys[i]) * (layer_std if text else INIT_STD)
         elif name.endswith("bias"):
             value = mx.zeros_like(value)
         elif arch == "gemma3_vision" and not name.startswith("vision_tower."):
