@@ -24,6 +24,8 @@ at least that long, a device of a given speed.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import ClassVar
 
 import trio
@@ -36,11 +38,13 @@ from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
 from stages.rows import EachPrompt, forward_rows
 
+SCRIPTS_KEPT = 256
+
 
 class EchoRow:
     """One echoed sequence: its script, and the channel its chunks go to (an engine's sequence handle)."""
 
-    def __init__(self, script: list[int], max_tokens: int, stop_ids: frozenset[int]) -> None:
+    def __init__(self, script: Sequence[int], max_tokens: int, stop_ids: frozenset[int]) -> None:
         self.send, self.chunks = trio.open_memory_channel[TokenChunk](math.inf)
         self.script = script
         self.max_tokens = max_tokens
@@ -75,7 +79,7 @@ class EchoDevice:
         self.steps = 0
         self._stepping = False
 
-    def submit(self, script: list[int], max_tokens: int, stop_ids: frozenset[int]) -> EchoRow:
+    def submit(self, script: Sequence[int], max_tokens: int, stop_ids: frozenset[int]) -> EchoRow:
         row = EchoRow(script, max_tokens, stop_ids)
         self.rows.append(row)
         if not self._stepping:
@@ -130,6 +134,21 @@ class EchoGenerate(ModelStage[PreparedPrompt, Generation]):
     def setup(self) -> None:
         super().setup()
         self.device = EchoDevice(self.config.step_seconds)
+        # Recent scripts, tokenized: a model does not tokenize its output, so neither should the stand-in for
+        # each request (benchmarks send the same text again and again).
+        self._scripts: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+
+    def _script(self, model: str, text: str) -> tuple[int, ...]:
+        key = (model, text)
+        script = self._scripts.get(key)
+        if script is None:
+            tokenizer = self.models.lookup(model).require().tokenizer
+            script = self._scripts[key] = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if len(self._scripts) > SCRIPTS_KEPT:
+                self._scripts.popitem(last=False)
+        else:
+            self._scripts.move_to_end(key)
+        return script
 
     def open_step(self) -> Step[PreparedPrompt, Generation]:
         return EachPrompt(self.generate)
@@ -139,9 +158,8 @@ class EchoGenerate(ModelStage[PreparedPrompt, Generation]):
             await outbox.send(GenerationStarted(prompt, 0))
             await outbox.send(TokenChunk((), "stop"))
             return True
-        tokenizer = self.models.lookup(prompt.model).require().tokenizer
         users = [m.content for m in prompt.request.messages if m.role == "user"]
         text = users[-1] if users else (prompt.request.prompt if isinstance(prompt.request.prompt, str) else "")
-        script = list(tokenizer.encode(text, add_special_tokens=False))
+        script = self._script(prompt.model, text)
         rows = [self.device.submit(script, prompt.max_tokens, prompt.stop_token_ids) for _ in range(prompt.request.n)]
         return await forward_rows(GenerationStarted(prompt, len(prompt.token_ids)), rows, outbox)
