@@ -289,6 +289,9 @@ class PreparedPrompt:
     max_tokens: int
     text: str = ""
     images: PromptImages | None = None  # a vision model's prompt with images: what its tokens leave out
+    # Where the rendered messages end and the template's generation prompt begins (a hybrid model keeps a state
+    # snapshot there: the conversation's next turn repeats the prompt up to it); None: not known or not wanted.
+    turn_point: int | None = None
 
 
 @dataclass(frozen=True)

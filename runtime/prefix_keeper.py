@@ -73,10 +73,24 @@ class PrefixKeeper:
         seq.hit = None
 
     def turn_point(self, seq: Sequence) -> int:
-        """Where a hybrid model's prompt gets a snapshot before its end: the last block boundary at least
-        ``TURN_MARGIN`` tokens before it (the next turn renders the prompt's last tokens differently)."""
+        """Where a hybrid model's prompt gets a snapshot before its end that a restart keeps: the last block
+        boundary at least ``TURN_MARGIN`` tokens before it (the next turn renders the prompt's last tokens
+        differently), and no deeper than where its messages end, when the template says (``seq.turn_point``)."""
         b = self.block_tokens
-        return max(0, len(seq.prompt) - 1 - TURN_MARGIN) // b * b
+        end = len(seq.prompt) - 1 - TURN_MARGIN
+        if seq.turn_point is not None:
+            end = min(end, seq.turn_point)
+        return max(0, end) // b * b
+
+    def turn_points(self, seq: Sequence) -> tuple[int, ...]:
+        """Every position before the prompt's end that gets a snapshot for the next turn: the block-aligned turn
+        point (on disk too) and, when the template says where the messages end, exactly there (in memory: the
+        next turn repeats every token up to it)."""
+        exact = seq.turn_point
+        aligned = self.turn_point(seq)
+        if exact is None or not aligned < exact < len(seq.prompt) - 1:
+            return (aligned,)
+        return (aligned, exact)
 
     def snapshot_chunk(self, seq: Sequence, n: int) -> int:
         """A prefill chunk of ``n`` tokens as a hybrid model runs it: cut to end on a block boundary (its snapshot
@@ -86,9 +100,9 @@ class PrefixKeeper:
             return n
         b = self.block_tokens
         end = seq.prefilled + n
-        turn = self.turn_point(seq)
-        if seq.prefilled < turn < end:
-            return turn - seq.prefilled
+        for turn in self.turn_points(seq):
+            if seq.prefilled < turn < end:
+                return turn - seq.prefilled
         if end < len(seq.prompt) - 1 and end // b * b > seq.prefilled:
             return end // b * b - seq.prefilled
         return n
@@ -107,7 +121,7 @@ class PrefixKeeper:
         if not self.snapshots:
             state = None
         rolling = False
-        if state is not None and not ends and seq.prefilled != self.turn_point(seq):
+        if state is not None and not ends and seq.prefilled not in self.turn_points(seq):
             seq.chunk_states += 1
             rolling = seq.chunk_states >= MAX_CHUNK_STATES
         if seq.keys is None:

@@ -137,6 +137,7 @@ class Sequence:
     tower: concurrent.futures.Future[mx.array] | None = None  # its images' vision-tower job, while it runs
     rope: RopePositions | None = None  # its 3-D positions (an M-RoPE vision model), made at its first pass
     label: str = ""  # the request it serves, as logs name it
+    turn_point: int | None = None  # where its template's messages end (a hybrid model's snapshot for the next turn)
     audit: bool = False  # its prefix hit's first logits are recomputed cold and compared (runtime/prefix_audit.py)
 
     @cached_property

@@ -52,17 +52,19 @@ class ModelStageConfig(StageConfig):
     models: list[str] = Field(default_factory=list, description="model resources served (default: all)")
 
 
-def render_prompt(tokenizer: Any, request: ChatRequest, family: Family, vision: bool = False) -> str:
+def render_prompt(tokenizer: Any, request: ChatRequest, family: Family, vision: bool = False,
+                  generation_prompt: bool = True) -> str:
     """Apply the model's chat template, adapted to its family (or a plain fallback without one); ``vision``: the
-    model reads the images, which go to the template as image parts."""
+    model reads the images, which go to the template as image parts; ``generation_prompt``: end with the
+    template's opening of the model's answer."""
     template = getattr(tokenizer, "chat_template", None)
     messages, tools, kwargs = template_inputs(request, family, template_text(template), vision)
     if template is None:
         turns = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return turns + "assistant: "
+        return turns + ("assistant: " if generation_prompt else "")
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                             **kwargs)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                             tokenize=False, **kwargs)
     except TemplateError as exc:
         raise ApiError("invalid_request", f"The model's chat template rejected these messages: {exc}",
                        param="messages") from None
@@ -74,6 +76,21 @@ def render_prompt(tokenizer: Any, request: ChatRequest, family: Family, vision: 
                        f"({type(exc).__name__}); check the types of message contents, tool calls and "
                        "chat_template_kwargs.", param="messages") from None
     return str(text)
+
+
+def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, ids: tuple[int, ...]) -> int | None:
+    """Where ``ids`` (``text`` tokenized) end their messages and begin the template's generation prompt, or None.
+
+    The generation prompt (with this request's template switches, such as thinking) is read off a one-message
+    conversation rendered with and without it: two small renders, not a second one of the whole conversation."""
+    probe = replace(request, messages=(Message(role="user", content="?"),))
+    opened, plain = render_prompt(tokenizer, probe, family), render_prompt(tokenizer, probe, family,
+                                                                          generation_prompt=False)
+    suffix = opened[len(plain):] if opened.startswith(plain) else ""
+    if not suffix or not text.endswith(suffix):
+        return None
+    tail = tuple(tokenizer.encode(suffix, add_special_tokens=False))
+    return len(ids) - len(tail) if tail and len(tail) < len(ids) and ids[-len(tail):] == tail else None
 
 
 def turn_groups(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
@@ -210,9 +227,14 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
                 )
             default = self.config.default_max_tokens or resource.config.default_max_tokens  # type: ignore[attr-defined]
             max_tokens = min(default, room)
+        engine = getattr(loaded, "engine", None)
+        # A hybrid model's recurrent state is kept where the messages end, for the conversation's next turn.
+        turn = (turn_point(tokenizer, request, resource.family, text, ids)
+                if request.prompt is None and prompt_images is None and engine is not None
+                and engine.keeps_snapshots else None)
         return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
                               stop_token_ids=self.stop_ids(resource.name, tokenizer), max_tokens=max_tokens, text=text,
-                              images=prompt_images)
+                              images=prompt_images, turn_point=turn)
 
     def _overflow(self, request: ChatRequest) -> ContextOverflow:
         return request.context_overflow or self.config.context_overflow  # type: ignore[attr-defined]

@@ -120,3 +120,42 @@ def test_more_hybrid_layouts_answer_as_cold_runs(preset: str, protocol: str, tmp
     with cached_server(model, tmp_path) as restarted:  # the disk tier: snapshots on block boundaries
         again, _, cached = exchange(restarted, protocol, turn1)
         assert again == cold1 and cached % BLOCK == 0 and cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK
+
+
+def test_the_next_turn_resumes_where_the_messages_ended(tmp_path: Path) -> None:
+    """chat.prepare finds where the rendered messages end and the template's generation prompt begins (Qwen3.5's
+    opens an empty thinking block the history never shows); the hybrid model keeps a state snapshot exactly there,
+    so the next turn — with only the prompt cached (``cache_mode: prefix``) — resumes past the block-aligned turn
+    point, and answers as a cold run does."""
+    from flow.catalog.families import resolve_family
+    from protocols.ir import ChatRequest, Message
+    from stages.chat import render_prompt, turn_point
+
+    model = ensure_tiny_model("tiny-qwen3.5")
+    turn1: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]
+    prefix_only = {"cache_mode": "prefix"}
+    client_kwargs: Any = {"model": "tiny", "max_tokens": 6, "temperature": 0, "extra_body": prefix_only}
+    with cached_server(model, tmp_path / "a") as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        first = client.chat.completions.create(messages=turn1, **client_kwargs)
+        assert first.usage is not None
+        turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content or "The lamp."},
+                 {"role": "user", "content": "And the ships?"}]
+        second = client.chat.completions.create(messages=turn2, **client_kwargs)
+        assert second.usage is not None and second.usage.prompt_tokens_details is not None
+        cached = second.usage.prompt_tokens_details.cached_tokens or 0
+        # Where turn 1's messages ended, as chat.prepare computes it from the model's own template and tokenizer.
+        loaded = server.server.models[0].require()
+        request = ChatRequest(model="tiny", messages=tuple(Message(role=m["role"], content=m["content"])
+                                                           for m in turn1), request_id="t")
+        family = resolve_family("auto", model, "tiny", loaded.tokenizer.chat_template)
+        text = render_prompt(loaded.tokenizer, request, family)
+        ids = tuple(loaded.tokenizer.encode(text, add_special_tokens=False))
+        boundary = turn_point(loaded.tokenizer, request, family, text, ids)
+        assert boundary is not None and len(ids) - 8 < boundary < len(ids)  # before the generation prompt
+        assert boundary > (len(ids) - 1 - TURN_MARGIN) // BLOCK * BLOCK  # deeper than the aligned turn point
+        assert cached == boundary
+    with cached_server(model, tmp_path / "b") as fresh:
+        cold = openai.OpenAI(base_url=fresh.url, api_key="unused", max_retries=0).chat.completions.create(
+            messages=turn2, **client_kwargs)
+        assert cold.choices[0].message.content == second.choices[0].message.content
