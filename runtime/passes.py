@@ -42,8 +42,6 @@ class ModelPasses:
         rows' 3-D positions (:meth:`positions`), which an M-RoPE model needs with every pass."""
         if self.adapters:
             self.adapters.route(list(adapters))
-        if positions is None and self.mrope:
-            positions = _text_positions(cache, window)
         if positions is not None:
             with_positions: mx.array = self.model(window, cache=cache, input_embeddings=embeddings,
                                                   positions=positions)
@@ -85,12 +83,3 @@ class ModelPasses:
         """After a forward pass (as mlx-lm does): quantize the cache once it is long enough (when set)."""
         if self.quantizer is not None:
             self.quantizer.apply(cache)
-
-
-def _text_positions(cache: list[Any], window: mx.array) -> mx.array:
-    """3-D positions for a pass whose rows are text from their caches' ends (each token at its index in all three
-    dimensions): a pass that brings no row state, as the prefix audit's cold run of a text prompt."""
-    offset = cache[0].offset
-    first = offset if isinstance(offset, mx.array) else mx.array([offset] * window.shape[0])
-    grid = first.astype(mx.int32)[:, None] + mx.arange(window.shape[1], dtype=mx.int32)[None]
-    return mx.broadcast_to(grid[None], (3, *grid.shape))

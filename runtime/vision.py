@@ -38,6 +38,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.base import Module
 
+from protocols.errors import ApiError
 from protocols.ir import ImageSpan, PromptImages
 from runtime.device import DeviceThread
 from runtime.errors import ModelNotAvailable
@@ -134,12 +135,13 @@ class VisionLanguageModel(Module):
                  positions: mx.array | None = None) -> mx.array:
         """Logits for ``inputs`` (``[rows, tokens]``), from ``input_embeddings`` where given (a vision prompt's
         chunk: ``[1 + deepstack layers, tokens, hidden]`` for one row); ``positions`` (``[3, rows, tokens]``) an
-        M-RoPE model needs with every pass, for it keeps no position state of its own here."""
+        M-RoPE model takes with every pass, for it keeps no position state of its own here. Without them the rows
+        are text from their caches' ends (each token at its index in all three dimensions): what a caller that knows
+        nothing of rows gives, as mlx-lm's ``generate`` in ``flow probe`` or the prefix audit's cold run of a text
+        prompt; the engine's passes always give them."""
         extra: dict[str, Any] = {}
         if self.mrope:
-            if positions is None:
-                raise ValueError("an M-RoPE language model needs its rows' 3-D positions with every pass")
-            extra["position_ids"] = positions
+            extra["position_ids"] = positions if positions is not None else _text_positions(cache, inputs)
         if input_embeddings is not None and input_embeddings.shape[0] > inputs.shape[0]:
             input_embeddings, extra = self._deepstack(inputs, input_embeddings, extra)
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **extra)
@@ -206,6 +208,14 @@ class VisionLanguageModel(Module):
         return embeds
 
 
+def _text_positions(cache: Any, inputs: mx.array) -> mx.array:
+    """3-D positions of text rows that go on from their caches' ends: ``[3, rows, tokens]``."""
+    offset = cache[0].offset if cache else 0
+    first = offset if isinstance(offset, mx.array) else mx.array([offset] * inputs.shape[0])
+    grid = first.astype(mx.int32)[:, None] + mx.arange(inputs.shape[1], dtype=mx.int32)[None]
+    return mx.broadcast_to(grid[None], (3, *grid.shape))
+
+
 def _image_digests(spans: Sequence[ImageSpan]) -> list[bytes]:
     """Each image's digest once, in prompt order."""
     seen: dict[bytes, None] = {}
@@ -239,12 +249,19 @@ def prompt_inputs(processor: Any, model_type: str, text: str, images: Sequence[A
                   image_token_id: int) -> tuple[tuple[int, ...], PromptImages]:
     """The prompt's token ids (image placeholders expanded by the processor) and its images' arrays and spans.
 
-    Runs the model's processor (transformers: numpy, no MLX) — on a worker thread, never the event loop."""
+    Runs the model's processor (transformers: numpy, no MLX) — on a worker thread, never the event loop. An image
+    the processor refuses (Qwen-VL's: a side more than 200 times the other) is the request's error, a 400."""
     from mlx_vlm.utils import process_inputs_with_fallback, should_add_special_tokens
 
     special = should_add_special_tokens(model_type, processor)
-    inputs = process_inputs_with_fallback(  # type: ignore[no-untyped-call]
-        processor, prompts=[text], images=list(images), audio=None, add_special_tokens=special, return_tensors="np")
+    try:
+        inputs = process_inputs_with_fallback(  # type: ignore[no-untyped-call]
+            processor, prompts=[text], images=list(images), audio=None, add_special_tokens=special,
+            return_tensors="np")
+    except ValueError as exc:
+        reason = str(exc).removeprefix("Failed to process inputs with error: ")
+        raise ApiError("invalid_request", f"The model's image processor refused an image: {reason}.",
+                       param="messages") from None
     ids = [int(t) for t in np.asarray(inputs["input_ids"])[0]]
     arrays = tuple((k, np.asarray(v)) for k, v in inputs.items()
                    if k != "input_ids" and v is not None)
@@ -335,12 +352,12 @@ def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, fea
 
 
 def _checkpoint_layers(module: Any, checkpoint: Callable[[], None]) -> None:
-    """Every block of the tower's layer lists (``layers``, however deep) evaluates its output and passes a
-    checkpoint: the tower gives the device back between its layers."""
+    """Every block of the tower's layer lists (``layers``, or ``blocks`` as the Qwen-VL towers name them, however
+    deep) evaluates its output and passes a checkpoint: the tower gives the device back between its layers."""
     from mlx.nn.layers.base import Module
 
     for name, child in module.children().items():
-        if name == "layers" and isinstance(child, list):
+        if name in ("layers", "blocks") and isinstance(child, list):
             for layer in child:
                 with_checkpoint(layer, checkpoint, evaluate=True)
         elif isinstance(child, Module):

@@ -193,6 +193,12 @@ PRESETS: dict[str, TinySpec] = {
                           intermediate_size=1024, vocab_size=4096, vision=VisionSpec(
                               hidden_size=768, num_layers=6, num_heads=12, intermediate_size=3072, image_size=224,
                               patch_size=14, tokens_per_image=64)),
+    # bench-vlm's sizes as a Qwen2.5-VL: its tower at SigLIP-B's width and half its depth over 14-pixel patches
+    # merged 2x2, a picture at most 336 x 336 pixels' worth (640 x 480: 280 x 364, 520 patches, 130 tokens).
+    "bench-qwen2.5-vl": TinySpec(arch="qwen2_5_vl", hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
+                                 intermediate_size=1024, vocab_size=4096, vision=VisionSpec(
+                                     hidden_size=768, num_layers=6, num_heads=12, intermediate_size=3072,
+                                     image_size=336, patch_size=14, tokens_per_image=144)),
     # A hybrid of ~35M parameters (gated-delta and attention layers alternating, float32): the prefix cache's
     # state snapshots measured where a prefill costs real time (scripts/bench_prefix.py).
     "bench-qwen3.5": TinySpec(arch="qwen3_5", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,

@@ -69,7 +69,7 @@ def case(*messages: dict[str, Any], images: tuple[Image.Image, ...]) -> Case:
 ONE = case(user(A, QUESTION), images=(A,))
 
 
-def reference(model: Any, processor: Any, conversation: Case) -> tuple[list[int], str]:
+def reference(model: Any, processor: Any, conversation: Case, max_tokens: int = MAX_TOKENS) -> tuple[list[int], str]:
     """mlx-vlm's own greedy tokens and text for the conversation."""
     from mlx_vlm import stream_generate
 
@@ -82,7 +82,7 @@ def reference(model: Any, processor: Any, conversation: Case) -> tuple[list[int]
         # doubled; flow (as mlx-lm) tokenizes the rendered template as it is.
         prompt = prompt[len(bos):]
     results = list(stream_generate(model, processor, prompt, image=list(conversation.images) or None,
-                                   max_tokens=MAX_TOKENS, temperature=0.0))
+                                   max_tokens=max_tokens, temperature=0.0))
     tokens = [r.token for r in results][: results[-1].generation_tokens]  # the last result repeats its token
     if results[-1].finish_reason == "stop":
         tokens = tokens[:-1]  # the end token, which flow does not hand out either
@@ -97,6 +97,7 @@ class Vision:
     references: dict[str, tuple[list[int], str]]
     image_token: int
     processor: Any
+    preset: str = ""
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(self.server.base_url + path, json={"model": "vlm", **body}, timeout=120)
@@ -210,7 +211,9 @@ SWAPPED = case(user(B, A, "Compare them."), images=(B, A))
 CHANGED = case(user(A_CHANGED, QUESTION), images=(A_CHANGED,))
 TEXT_FIRST = case(user(QUESTION, A), images=(A,))  # Ollama's shape: the message's text, then its images
 TEXTS = tuple(case(user(f"Tell me a long story, number {i}."), images=()) for i in range(4))
-MIXED = {"one": ONE, "two": TWO, "swapped": SWAPPED, "changed": CHANGED,
+C = picture(3, (64, 32))  # another size: another grid, another rope delta on a 3-D position model
+MIXED = {"one": ONE, "two": TWO, "square": case(user("Describe it. ", C), images=(C,)),
+         "pair": case(user(C, "then", B, "Which is wider?"), images=(C, B)),
          **{f"text{i}": text for i, text in enumerate(TEXTS)}}
 
 
@@ -222,7 +225,8 @@ def vision(request: pytest.FixtureRequest) -> Iterator[Vision]:
     model, processor = load(str(path))
     use_fast_gelu(model)  # as the server runs it: on the CPU, flow's GELU (its accuracy: test_cpu_activations)
     references = {name: reference(model, processor, conversation) for name, conversation in
-                  {"repeated": REPEATED, "text_first": TEXT_FIRST, **MIXED}.items()}
+                  {"repeated": REPEATED, "text_first": TEXT_FIRST, "swapped": SWAPPED, "changed": CHANGED,
+                   **MIXED}.items()}
     first_text = references["one"][1]
     references["second"] = reference(model, processor, second_turn(first_text))
     token = int(getattr(model.config, "image_token_id", None) or model.config.image_token_index)
@@ -231,7 +235,7 @@ def vision(request: pytest.FixtureRequest) -> Iterator[Vision]:
     tables["stages"]["prepare"]["images"] = {
         "max_images": 3, "max_pixels": 1_000_000, "max_bytes": 200_000, "fetch_urls": True}
     with running_server(compile_tables(tables, "vision (test)")) as server:
-        yield Vision(server, references, token, processor)
+        yield Vision(server, references, token, processor, request.param)
 
 
 @pytest.mark.parametrize("protocol", ["chat", "anthropic", "responses"])
@@ -263,8 +267,8 @@ def test_an_image_request_among_text_streams_gives_the_same_output(vision: Visio
 
 
 def test_image_and_text_rows_decode_together_as_each_alone(vision: Vision) -> None:
-    """Eight requests at once — four image conversations (one image, two, the two swapped, one changed) and four
-    text ones, streamed and not, through three protocols — decode in one batch, rows joining as their prefills end
+    """Eight requests at once — four image conversations (one image or two, of two sizes, before or after text) and
+    four text ones, streamed and not, through three protocols — decode in one batch, rows joining as their prefills end
     and leaving as they stop: each answer equals mlx-vlm's for that conversation alone."""
     protocols = ("chat", "anthropic", "responses")
     got: dict[str, str] = {}
@@ -343,8 +347,12 @@ def test_every_image_limit_and_bad_input_is_a_400(vision: Vision) -> None:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "!!not base64!!"}},
         {"type": "text", "text": QUESTION}]}]})
     assert anthropic.json()["type"] == "error" and anthropic.status_code == 400
+    if "qwen" in vision.preset:  # the Qwen-VL processors refuse a side over 200 times the other
+        strip = error_message(chat_with(vision, data_url(png(Image.new("RGB", (1000, 4))))))
+        assert "image processor refused" in strip and "aspect ratio" in strip, strip
 
 
+@pytest.mark.parametrize("vision", ["tiny-smolvlm"], indirect=True)  # the prepare stage's, whatever the model
 async def test_a_url_to_a_loopback_port_is_refused(vision: Vision) -> None:
     import trio
 
@@ -416,3 +424,71 @@ def test_an_image_to_a_text_model_names_the_vision_models(tiny_qwen3: Path) -> N
         assert served.status_code == 200, served.text
         kinds = {m["id"]: m.get("kind") for m in httpx.get(server.base_url + "/health", timeout=30).json()["models"]}
         assert kinds == {"tiny": "text", "vlm": "vision"}, kinds
+
+
+@pytest.fixture(scope="module")
+def speculating() -> Iterator[Vision]:
+    """Qwen2.5-VL (3-D positions) served with n-gram speculative decoding: a verify pass carries several tokens
+    per row, each at its own 3-D position."""
+    from mlx_vlm import load
+
+    path: Path = ensure_tiny_model("tiny-qwen2.5-vl")
+    model, processor = load(str(path))
+    use_fast_gelu(model)
+    references = {name: reference(model, processor, conversation, LONG) for name, conversation in SPECULATED.items()}
+    del model
+    tables = tables_with_model(path, name="vlm")
+    tables["resources"]["model"]["speculative"] = {"kind": "ngram", "max_draft": 4}
+    with running_server(compile_tables(tables, "vision, speculative (test)")) as server:
+        yield Vision(server, references, int(processor.image_token_id), processor)
+
+
+LONG = 48  # enough tokens for the tiny model's repetitions to give n-gram drafts
+# Image rows beside a text row that drafts (the tiny model echoes this prompt's pairs now and then): every verify
+# pass carries each row's input and the widest draft, so the image rows' windows hold several 3-D positions too.
+SPECULATED = {"one": ONE, "two": TWO, "cat": case(user("the cat " * 6), images=())}
+
+
+def test_speculative_decoding_on_3d_position_rows_gives_the_same_output(speculating: Vision) -> None:
+    got: dict[str, str] = {}
+
+    def ask(name: str) -> None:
+        body = {**chat_body(SPECULATED[name]), "max_tokens": LONG}
+        got[name] = speculating.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask, args=(name,)) for name in speculating.references]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {name: text for name, (_, text) in speculating.references.items()}
+    engine = speculating.engine()
+    assert engine["speculative_steps"] > 0, engine
+
+
+def test_structured_output_on_an_image_row_follows_its_schema(speculating: Vision) -> None:
+    """A grammar masks an image row's tokens as a text row's (its positions are the model's business, the mask
+    the sampler's): the answer parses and validates, beside an unconstrained image row that keeps its output."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 12}}, "required": ["colour"],
+              "additionalProperties": False}
+    got: dict[str, Any] = {}
+
+    def constrained() -> None:
+        # No thinking block: the grammar holds from the first token (test_structured_output's requests do the same).
+        body = {**chat_body(ONE), "max_tokens": 64, "reasoning_effort": "none", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}}
+        got["json"] = speculating.post("/v1/chat/completions", body).json()["choices"][0]
+
+    def plain() -> None:
+        body = {**chat_body(TWO), "max_tokens": LONG}
+        got["two"] = speculating.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=constrained), threading.Thread(target=plain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got["json"]["finish_reason"] == "stop", got
+    answer_json = json.loads(got["json"]["message"]["content"])
+    assert set(answer_json) == {"colour"} and isinstance(answer_json["colour"], str)
+    assert got["two"] == speculating.references["two"][1]

@@ -52,3 +52,4 @@ def test_the_demo_falls_back_to_smoke_test_models(tmp_path: Path, monkeypatch: p
         models[resource].resolve_source()
         assert models[resource].source == preset
     assert detect_kind_of(models["vision"].resolve_source()) == "vision"  # every kind, without a download
+    assert detect_kind_of(models["vision_qwen"].resolve_source()) == "vision"  # 3-D positions too

@@ -89,19 +89,20 @@ def test_a_store_from_before_kinds_keeps_its_rows(tmp_path: Path) -> None:
     assert [c.model for c in store.all()] == ["/e", "/m"] and store.get("/e").profile == {"dims": 32}  # type: ignore[union-attr]
 
 
-def test_probe_records_a_vision_models_image_capabilities(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("preset", ["tiny-smolvlm", "tiny-qwen2.5-vl"])  # 1-D and 3-D (M-RoPE) positions
+def test_probe_records_a_vision_models_image_capabilities(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          preset: str) -> None:
     from runtime.tiny import PRESETS
     from runtime.tiny.vlm import image_tokens
 
     db = tmp_path / "caps.sqlite"
-    assert main(["probe", "tiny:tiny-smolvlm", "--max-tokens", "8", "--db", str(db)]) == 0
+    assert main(["probe", f"tiny:{preset}", "--max-tokens", "8", "--db", str(db)]) == 0
     assert "images:          several per message" in capsys.readouterr().out
     (caps,) = CapabilityStore(db).all()
-    spec = PRESETS["tiny-smolvlm"]
+    spec = PRESETS[preset]
     assert spec.vision is not None and caps.kind == "vision" and caps.profile["multi_image"] is True
     assert caps.profile["image_tokens"] == {f"{w}x{h}": image_tokens(spec.arch, spec.vision, w, h)
                                             for w, h in ((64, 48), (1024, 768))}
-    assert caps.profile["max_images"] is None  # SmolVLM declares no limit
+    assert caps.profile["max_images"] is None  # neither declares a limit
     assert main(["probe", "--list", "--db", str(db)]) == 0
     assert ": vision, family" in capsys.readouterr().out
