@@ -1,4 +1,4 @@
-"""Two changes to hypercorn's trio TCP server, applied when flow serves: one fix, one shortcut.
+"""Changes to hypercorn's HTTP/1.1 server, applied when flow serves: one fix, two shortcuts for streams.
 
 **What the protocol asks must be done.** hypercorn's HTTP/1.1 protocol tells its
 TCP server what to do next — close the connection (``Connection: close``, an
@@ -27,6 +27,17 @@ send holds the lock, the bytes go to the socket now, in one non-blocking
 slowly) goes on through ``send_all``, still under the lock, so pieces never
 interleave. An error leaves the piece to hypercorn's own path, which handles a
 broken connection as it always has. TLS streams always take hypercorn's path.
+
+**A streamed body's pieces are framed without h11's state machine.** Each
+piece of a response body goes through h11's ``Connection.send`` to be framed;
+for a chunked body that is a few bytes around the data, yet the event's trip
+through h11 cost more than everything else per frame. A data event does not
+change h11's state, and a chunk's framing is fixed, so when h11 frames this
+response as chunked — the peer speaks HTTP/1.1 and the response head has no
+Content-Length, exactly h11's own rule — a body piece is framed here, as h11's
+``ChunkedWriter`` would, and sent as raw data. Everything else (the head, the
+end of the body, a fixed-length or close-delimited body, HTTP/1.0) still goes
+through h11.
 """
 
 from __future__ import annotations
@@ -34,11 +45,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import h11
 import trio
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.events import Body, Response
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 
 _original_protocol_send = TCPServer.protocol_send
+_original_stream_send = H11Protocol.stream_send
 
 
 async def _protocol_send(self: Any, event: Event) -> None:
@@ -68,6 +84,22 @@ async def _protocol_send(self: Any, event: Event) -> None:
         lock.release()
 
 
+async def _stream_send(self: Any, event: StreamEvent) -> None:
+    if isinstance(event, Body) and self.__dict__.get("_flow_chunked") and self.connection.our_state is h11.SEND_BODY:
+        data = event.data
+        if data:  # an empty chunk would end the body: h11 sends nothing for it either
+            await self.send(RawData(data=b"%x\r\n" % len(data) + data + b"\r\n"))
+        return
+    if isinstance(event, Response):
+        # h11's rule (Connection._clean_up_response_headers_for_sending): a body of unknown length is chunked
+        # for an HTTP/1.1 peer. Only then are its pieces framed here.
+        version = getattr(self.connection, "their_http_version", None)  # a WebSocket upgrade's has none
+        self._flow_chunked = (event.status_code >= 200 and version is not None and version >= b"1.1"
+                              and not any(name.lower() == b"content-length" for name, _ in event.headers))
+    await _original_stream_send(self, event)
+
+
 def apply() -> None:
     """Idempotent."""
     TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
+    H11Protocol.stream_send = _stream_send  # type: ignore[method-assign]

@@ -1,0 +1,114 @@
+"""A streamed response's bytes on the wire, read from a raw socket.
+
+flow writes a stream's frames to the connection from the run itself and frames a chunked body's pieces
+without h11 (flow/serve/exit.py, flow/serve/hypercorn_fixes.py). These tests read what a client gets with no
+HTTP library in between: a strictly parsed chunked body for HTTP/1.1, the same events; the connection kept
+alive for a whole (Content-Length) answer after it; a close-delimited body for an HTTP/1.0 client.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flow.builtins import compile_tables
+from tests.harness import RunningServer, running_server, tables_with_model
+
+TEXT = "The keeper trims the wick and writes the log: the sea is calm, the wind from the west."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3: Path) -> Iterator[RunningServer]:
+    tables = tables_with_model(tiny_qwen3)
+    tables["stages"]["generate"]["type"] = "generate.echo"  # the user's text comes back as the model's output
+    with running_server(compile_tables(tables, "stream framing (test)")) as running:
+        yield running
+
+
+def request(stream: bool, version: str = "1.1") -> bytes:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": TEXT}], "stream": stream,
+                       "max_tokens": 64, "reasoning_effort": "none"}).encode()
+    return (f"POST /v1/chat/completions HTTP/{version}\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+class Reader:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def more(self) -> bool:
+        data = self.sock.recv(65536)
+        self.buffer += data
+        return bool(data)
+
+    def line(self) -> bytes:
+        while b"\r\n" not in self.buffer:
+            assert self.more(), "the connection closed in the middle of a line"
+        line, _, self.buffer = self.buffer.partition(b"\r\n")
+        return line
+
+    def exactly(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            assert self.more(), "the connection closed in the middle of a body"
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+    def head(self) -> tuple[str, dict[str, str]]:
+        status = self.line().decode()
+        headers: dict[str, str] = {}
+        while line := self.line():
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers
+
+    def chunked(self) -> bytes:
+        """A chunked body, each chunk checked: its size line, exactly that many bytes, then CRLF."""
+        body = b""
+        while True:
+            size = int(self.line(), 16)
+            data = self.exactly(size)
+            assert self.line() == b"", "a chunk's data must end with CRLF"
+            if size == 0:
+                return body
+            body += data
+
+
+def streamed_text(body: bytes) -> str:
+    frames = body.decode().split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    chunks = [json.loads(frame.removeprefix("data: ")) for frame in frames[:-2]]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_http11_stream_is_strictly_chunked_and_the_connection_serves_on(server: RunningServer) -> None:
+    port = int(server.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = Reader(sock)
+        sock.sendall(request(stream=True))
+        status, headers = reader.head()
+        assert status.startswith("HTTP/1.1 200") and headers["transfer-encoding"] == "chunked"
+        assert "content-length" not in headers and headers["content-type"] == "text/event-stream"
+        assert streamed_text(reader.chunked()) == TEXT
+        sock.sendall(request(stream=False))  # the same connection: kept alive after the chunked body
+        status, headers = reader.head()
+        assert status.startswith("HTTP/1.1 200") and "transfer-encoding" not in headers
+        whole = json.loads(reader.exactly(int(headers["content-length"])))
+        assert whole["choices"][0]["message"]["content"] == TEXT
+        assert reader.buffer == b""
+
+
+def test_http10_stream_is_close_delimited(server: RunningServer) -> None:
+    port = int(server.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = Reader(sock)
+        sock.sendall(request(stream=True, version="1.0"))
+        status, headers = reader.head()
+        assert status.startswith("HTTP/1.1 200") and "transfer-encoding" not in headers
+        while reader.more():
+            pass  # the body ends when the server closes the connection
+        assert streamed_text(reader.buffer) == TEXT
