@@ -60,7 +60,7 @@ from protocols.ir import (
     Usage,
     without_slots,
 )
-from protocols.sse import dumps, event_frame
+from protocols.sse import FrameTemplate, dumps, event_frame
 from protocols.validation import parse_json_body
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
@@ -450,6 +450,7 @@ class MessagesStreamEncoder:
         self._index = -1
         self._open: str | None = None  # "text" | "thinking" | "tool_use"
         self._thinking: list[str] = []
+        self._deltas: dict[tuple[str, int], FrameTemplate] = {}  # (delta type, block index) → its frame
 
     def start(self) -> list[bytes]:
         usage = usage_json(Usage(self.started.prompt_tokens, 0, self.started.cached_tokens,
@@ -487,12 +488,20 @@ class MessagesStreamEncoder:
         return event_frame("content_block_delta", {"type": "content_block_delta", "index": self._index,
                                                    "delta": delta})
 
+    def _text_delta(self, kind: str, field: str, text: str) -> bytes:
+        """A text or thinking delta of the open block, from a template (per token: no object built)."""
+        template = self._deltas.get((kind, self._index))
+        if template is None:
+            template = self._deltas[(kind, self._index)] = FrameTemplate(
+                lambda value: self._delta({"type": kind, field: value}))
+        return template(text)
+
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TextDelta):
             if not event.text:
                 return []
             frames = [] if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
-            frames.append(self._delta({"type": "text_delta", "text": event.text}))
+            frames.append(self._text_delta("text_delta", "text", event.text))
             return frames
         if isinstance(event, ReasoningDelta):
             if not event.text:
@@ -500,7 +509,7 @@ class MessagesStreamEncoder:
             frames = [] if self._open == "thinking" else self._begin(
                 "thinking", {"type": "thinking", "thinking": "", "signature": ""})
             self._thinking.append(event.text)
-            frames.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+            frames.append(self._text_delta("thinking_delta", "thinking", event.text))
             return frames
         if isinstance(event, ToolCallDelta):
             frames = []

@@ -17,6 +17,7 @@ import re
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -45,7 +46,7 @@ from protocols.ir import (
     without_slots,
 )
 from protocols.images import source_from_base64
-from protocols.sse import dumps
+from protocols.sse import FrameTemplate, dumps
 from protocols.validation import json_object_argument, parse_json_body
 
 NDJSON_HEADERS = (("content-type", "application/x-ndjson"),)
@@ -292,9 +293,9 @@ def _done_reason(request: ChatRequest, finish_reason: str) -> str:
 
 
 def _piece(request: ChatRequest, text: str = "", thinking: str = "",
-           tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One response object's content, in the endpoint's shape."""
-    base: dict[str, Any] = {"model": request.model, "created_at": created_at()}
+           tool_calls: list[dict[str, Any]] | None = None, stamp: str | None = None) -> dict[str, Any]:
+    """One response object's content, in the endpoint's shape; ``stamp``: its ``created_at`` (default: now)."""
+    base: dict[str, Any] = {"model": request.model, "created_at": created_at() if stamp is None else stamp}
     if request.context_as(OllamaContext).endpoint == "generate":
         base["response"] = text
         if thinking:
@@ -327,12 +328,19 @@ class StreamEncoder:
         self.context = self.request.context_as(OllamaContext)
         self.first_ns: int | None = None
         self.calls: dict[int, list[str]] = {}  # index → [name, arguments so far]
+        self._pieces: dict[bool, FrameTemplate] = {}  # thinking or not → a piece's line, from its stamp and text
 
     def start(self) -> list[bytes]:
         return []
 
     def keepalive(self) -> list[bytes]:
         return []  # NDJSON has no comment line; clients wait
+
+    def _piece_line(self, thinking: bool) -> Callable[[Any, Any], bytes]:
+        request = self.request
+        if thinking:
+            return lambda stamp, text: _line({**_piece(request, "", text, stamp=stamp), "done": False})
+        return lambda stamp, text: _line({**_piece(request, text, "", stamp=stamp), "done": False})
 
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, (TextDelta, ReasoningDelta)):
@@ -341,8 +349,10 @@ class StreamEncoder:
             if self.first_ns is None:
                 self.first_ns = time.monotonic_ns()
             thinking = isinstance(event, ReasoningDelta)
-            piece = _piece(self.request, "" if thinking else event.text, event.text if thinking else "")
-            return [_line({**piece, "done": False})]
+            template = self._pieces.get(thinking)
+            if template is None:  # per token the same line but its time and text: built once
+                template = self._pieces[thinking] = FrameTemplate(self._piece_line(thinking), 2)
+            return [template(created_at(), event.text)]
         if isinstance(event, ToolCallDelta):
             call = self.calls.setdefault(event.index, ["", ""])
             call[0] = event.name or call[0]

@@ -40,7 +40,7 @@ from protocols.ir import (
     Usage,
     without_slots,
 )
-from protocols.sse import DONE, data_frame, dumps
+from protocols.sse import DONE, FrameTemplate, data_frame, dumps
 from protocols.validation import json_object_argument, parse_json_body
 
 # --------------------------------------------------------------------------- request
@@ -387,12 +387,28 @@ class ChatStreamEncoder:
         self._sent_role: set[int] = set()
         self._usage_field = {"usage": None} if self.request.include_usage else {}
         self._choices = ChoiceCounter(self.request)
+        self._deltas: dict[tuple[tuple[str, ...], int], FrameTemplate] = {}  # (delta's fields, choice) → template
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
                logprobs: tuple[TokenLogprob, ...] = (), choice: int = 0) -> bytes:
         if choice not in self._sent_role:
             delta = {"role": "assistant", **delta}
             self._sent_role.add(choice)
+        return self._frame(delta, finish_reason, logprobs, choice)
+
+    def _text(self, fields: tuple[str, ...], text: str, choice: int) -> bytes:
+        """A chunk whose delta is ``text`` in each of ``fields``: after the role went out, from a template (per
+        token, the same bytes without building and encoding the chunk's object)."""
+        if choice not in self._sent_role:
+            return self._chunk(dict.fromkeys(fields, text), choice=choice)
+        template = self._deltas.get((fields, choice))
+        if template is None:
+            template = self._deltas[(fields, choice)] = FrameTemplate(
+                lambda *values: self._frame(dict(zip(fields, values)), None, (), choice), len(fields))
+        return template(*(text,) * len(fields))
+
+    def _frame(self, delta: dict[str, Any], finish_reason: str | None, logprobs: tuple[TokenLogprob, ...],
+               choice: int) -> bytes:
         return data_frame(
             {
                 "id": completion_id(self.request),
@@ -416,12 +432,11 @@ class ChatStreamEncoder:
 
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TextDelta):
-            if not event.text and not event.logprobs:
-                return []
-            return [self._chunk({"content": event.text}, logprobs=event.logprobs, choice=event.choice)]
+            if event.logprobs:
+                return [self._chunk({"content": event.text}, logprobs=event.logprobs, choice=event.choice)]
+            return [self._text(("content",), event.text, event.choice)] if event.text else []
         if isinstance(event, ReasoningDelta):
-            text = event.text
-            return [self._chunk({"reasoning_content": text, "reasoning": text}, choice=event.choice)] if text else []
+            return [self._text(("reasoning_content", "reasoning"), event.text, event.choice)] if event.text else []
         if isinstance(event, ToolCallDelta):
             call: dict[str, Any] = {"index": event.index}
             function: dict[str, Any] = {"arguments": event.arguments}

@@ -54,7 +54,7 @@ from protocols.ir import (
 )
 from protocols.openai_chat import error_body, error_json, error_status
 from protocols.output_format import decode_response_format, encode_text_format
-from protocols.sse import event_frame
+from protocols.sse import FrameTemplate, event_frame
 from protocols.validation import json_object_argument, parse_json_body
 
 
@@ -425,6 +425,7 @@ class ResponsesStreamEncoder:
         self._open: str | None = None  # "reasoning" | "message" | "function_call"
         self._text: list[str] = []
         self._call: ToolCall | None = None
+        self._deltas: dict[tuple[str, int], FrameTemplate] = {}  # (item kind, output index) → its delta's frame
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         frame = event_frame(kind, {"type": kind, "sequence_number": self._seq, **fields})
@@ -500,13 +501,25 @@ class ResponsesStreamEncoder:
     def _text_delta(self, kind: str, text: str) -> list[bytes]:
         frames = [] if self._open == kind else self._open_text(kind)
         self._text.append(text)
-        if kind == "reasoning":
-            frames.append(self._event("response.reasoning_text.delta", item_id=self._item_id("rs"),
-                                      output_index=self._index, content_index=0, delta=text))
-        else:
-            frames.append(self._event("response.output_text.delta", item_id=self._item_id("msg"),
-                                      output_index=self._index, content_index=0, delta=text, logprobs=[]))
+        template = self._deltas.get((kind, self._index))
+        if template is None:  # per token the same event but its number and text: built once
+            template = self._deltas[(kind, self._index)] = FrameTemplate(self._delta_frame(kind), 2)
+        frames.append(template(self._seq, text))
+        self._seq += 1
         return frames
+
+    def _delta_frame(self, kind: str) -> Callable[[Any, Any], bytes]:
+        """The open item's delta event, from its number and its text."""
+        index = self._index
+        if kind == "reasoning":
+            item_id = self._item_id("rs")
+            return lambda seq, text: event_frame("response.reasoning_text.delta", {
+                "type": "response.reasoning_text.delta", "sequence_number": seq, "item_id": item_id,
+                "output_index": index, "content_index": 0, "delta": text})
+        item_id = self._item_id("msg")
+        return lambda seq, text: event_frame("response.output_text.delta", {
+            "type": "response.output_text.delta", "sequence_number": seq, "item_id": item_id,
+            "output_index": index, "content_index": 0, "delta": text, "logprobs": []})
 
     def encode(self, event: StreamEvent) -> list[bytes]:
         if isinstance(event, TextDelta):

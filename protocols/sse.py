@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -38,3 +39,36 @@ def data_frame(obj: Any) -> bytes:
 def event_frame(event: str, obj: Any) -> bytes:
     """An event with an ``event:`` line (Anthropic style: SDKs dispatch on it)."""
     return b"event: " + event.encode() + b"\ndata: " + dumps(obj) + b"\n\n"
+
+
+class FrameTemplate:
+    """One kind of frame whose few varying fields are a string or an integer, encoded once.
+
+    ``build`` makes the frame (its object, encoded) from the fields' values; it is called once, with a marker
+    string for each field, and its bytes are split at the markers. Calling the template with values then gives
+    the bytes ``build`` would give for them, by joining the pieces with each value's encoding: a stream's text
+    delta per token without building its object and encoding it whole. Each field must appear in the frame
+    exactly once, in the order of ``build``'s parameters.
+    """
+
+    def __init__(self, build: Callable[..., bytes], fields: int = 1) -> None:
+        marks = [dumps(f"\u0000flow-field-{i}\u0000") for i in range(fields)]
+        rest = build(*(f"\u0000flow-field-{i}\u0000" for i in range(fields)))
+        pieces: list[bytes] = []
+        for mark in marks:
+            head, found, rest = rest.partition(mark)
+            if not found or any(m in rest for m in marks[:len(pieces) + 1]):
+                raise ValueError("each field must appear exactly once in the frame, in order")
+            pieces.append(head)
+        pieces.append(rest)
+        self._pieces = tuple(pieces)
+        self.build = build
+
+    def __call__(self, *values: str | int) -> bytes:
+        pieces = self._pieces
+        if len(values) == 1:
+            return pieces[0] + dumps(values[0]) + pieces[1]
+        out = [pieces[0]]
+        for value, piece in zip(values, pieces[1:], strict=True):
+            out += (dumps(value), piece)
+        return b"".join(out)
