@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Sequence
@@ -318,13 +319,18 @@ def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> S
     with_tools = bool(request.tools) and request.tool_choice != "none"
     reasoning_id = family.reasoning.parser
     options: dict[str, Any] = dict(family.reasoning.options)
-    if "starts_inside" in inspect.signature(REASONING_PARSERS[reasoning_id]).parameters:
+    if _takes_starts_inside(reasoning_id):
         # Templates that open the thinking block themselves make the output start inside it.
         options["starts_inside"] = prompt_text.rstrip().endswith(family.reasoning.open_tag)
     return make_response_parser(tool_parser=family.tools.parser if with_tools else None,
                                 reasoning_parser=reasoning_id, tools=request.tools, reasoning_options=options,
                                 loose_tool_calls=with_tools and family.tools.loose_calls,
                                 tool_options=family.tools.options)
+
+
+@functools.cache  # asked for every response: a signature is tens of microseconds
+def _takes_starts_inside(reasoning_id: str) -> bool:
+    return "starts_inside" in inspect.signature(REASONING_PARSERS[reasoning_id]).parameters
 
 
 def _token_strings(tokenizer: Any, logprob: TokenLogprob) -> TokenLogprob:

@@ -218,6 +218,9 @@ class _Formatting(Step[StreamEvent, WireFrame]):
         self.builder = ResultBuilder()
         self.started = False
         self.encoder: StreamEncoder | None = None
+        # A stream folds its events into the whole result only for a stage that keeps it (``finished``: the
+        # Responses store, an agent's history); otherwise its finish events are all the result needs.
+        self.keeps_result = type(stage).finished is not ProtocolFormat.finished
 
     async def feed(self, event: StreamEvent, out: Outbox[WireFrame]) -> bool:
         stage, builder = self.stage, self.builder
@@ -234,14 +237,17 @@ class _Formatting(Step[StreamEvent, WireFrame]):
                                          keepalive=b"".join(opened.keepalive()),
                                          keepalive_seconds=stage.config.keepalive_seconds))  # type: ignore[attr-defined]
             return True
-        builder.add(event)
         encoder = self.encoder
         if encoder is None:
+            builder.add(event)
             return True  # one JSON body, at the end
+        if self.keeps_result or isinstance(event, ResponseFinished):
+            builder.add(event)
         if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
             result = builder.result()
             note_request(completion_tokens=result.usage.completion_tokens)
-            await stage.finished(result, stage.codec.encode_final(result))
+            if self.keeps_result:
+                await stage.finished(result, stage.codec.encode_final(result))
         frames = encoder.encode(event)
         if frames:
             await out.send(WireFrame(frames[0] if len(frames) == 1 else b"".join(frames)))

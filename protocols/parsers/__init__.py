@@ -52,6 +52,7 @@ when it has none.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -125,9 +126,10 @@ def register_reasoning_parser(parser_id: str, factory: Callable[..., StreamParse
     REASONING_PARSERS[parser_id] = factory
 
 
-def _keyword_options(factory: Callable[..., Any]) -> list[str]:
-    return [name for name, p in inspect.signature(factory).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "id_factory"]
+@functools.cache  # read for every response's parser: a signature is tens of microseconds
+def _keyword_options(factory: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(name for name, p in inspect.signature(factory).parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "id_factory")
 
 
 def _options_problem(kind: str, parser_id: str, factory: Callable[..., Any], options: Mapping[str, Any]) -> str | None:
