@@ -426,21 +426,22 @@ def test_an_image_to_a_text_model_names_the_vision_models(tiny_qwen3: Path) -> N
         assert kinds == {"tiny": "text", "vlm": "vision"}, kinds
 
 
-@pytest.fixture(scope="module")
-def speculating() -> Iterator[Vision]:
-    """Qwen2.5-VL (3-D positions) served with n-gram speculative decoding: a verify pass carries several tokens
-    per row, each at its own 3-D position."""
+@pytest.fixture(scope="module", params=["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def speculating(request: pytest.FixtureRequest) -> Iterator[Vision]:
+    """A 3-D position model served with n-gram speculative decoding (a verify pass carries several tokens per row,
+    each at its own 3-D position) and 16-token prefill chunks (image spans and Qwen3-VL's deepstack features cut
+    across chunks)."""
     from mlx_vlm import load
 
-    path: Path = ensure_tiny_model("tiny-qwen2.5-vl")
+    path: Path = ensure_tiny_model(request.param)
     model, processor = load(str(path))
     use_fast_gelu(model)
     references = {name: reference(model, processor, conversation, LONG) for name, conversation in SPECULATED.items()}
     del model
     tables = tables_with_model(path, name="vlm")
-    tables["resources"]["model"]["speculative"] = {"kind": "ngram", "max_draft": 4}
+    tables["resources"]["model"].update(speculative={"kind": "ngram", "max_draft": 4}, prefill_chunk=16)
     with running_server(compile_tables(tables, "vision, speculative (test)")) as server:
-        yield Vision(server, references, int(processor.image_token_id), processor)
+        yield Vision(server, references, int(processor.image_token_id), processor, request.param)
 
 
 LONG = 48  # enough tokens for the tiny model's repetitions to give n-gram drafts
@@ -449,7 +450,8 @@ LONG = 48  # enough tokens for the tiny model's repetitions to give n-gram draft
 SPECULATED = {"one": ONE, "two": TWO, "cat": case(user("the cat " * 6), images=())}
 
 
-def test_speculative_decoding_on_3d_position_rows_gives_the_same_output(speculating: Vision) -> None:
+def test_speculative_decoding_and_chunked_prefill_on_3d_position_rows_give_the_same_output(
+        speculating: Vision) -> None:
     got: dict[str, str] = {}
 
     def ask(name: str) -> None:
