@@ -283,6 +283,10 @@ def test_image_and_text_rows_decode_together_as_each_alone(vision: Vision) -> No
         t.join()
     assert got == {name: vision.references[name][1] for name in MIXED}
     assert vision.engine()["peak_batch"] >= 4
+    # Two choices of one image prompt: prefilled once, the second row from copies of the first's cache and
+    # positions.
+    both = vision.post("/v1/chat/completions", {**chat_body(TWO), "n": 2}).json()["choices"]
+    assert [c["message"]["content"] for c in both] == [vision.references["two"][1]] * 2
 
 
 def test_the_next_turn_reads_the_image_from_the_prefix_cache(vision: Vision) -> None:
