@@ -176,6 +176,14 @@ class Generation:
         """Per graph edge, summed over the routes that share it."""
         return _summed(EdgeStats, (runner.edge_stats for runner in self.runners.values()))
 
+    def inline_edges(self) -> set[tuple[str, str]]:
+        """Edges whose consumer runs in its producer's task on every route that has them: a call per item, no
+        channel (flow.graph.inline)."""
+        routes = [runner.route for runner in self.runners.values()]
+        edges = {edge for route in routes for edge in route.edges}
+        return {edge for edge in edges
+                if all(edge[1] in route.inline for route in routes if edge in route.edges)}
+
     def stage_stats(self) -> dict[str, StageStats]:
         """Per stage, summed over the routes that run it; ``queued``: items waiting in its inboxes now."""
         per_route = ({sid: replace(stats, queued=runner.queued(sid)) for sid, stats in runner.stage_stats.items()}

@@ -125,6 +125,7 @@ class Observer:
         resources = self.server.live.gen.resources if self.server.live.current is not None else {}
         stats = {rid: res.stats() for rid, res in resources.items()}
         stages = self.server.live.gen.stage_stats() if self.server.live.current is not None else {}
+        inline = self.server.live.gen.inline_edges() if self.server.live.current is not None else set()
         return {
             **reference_blocks(self.owner, self.server.started_at, self.server.models, resources, stats),
             "graph": health["graph"],
@@ -135,7 +136,8 @@ class Observer:
             "device": shared_device().stats_json(),
             "event_loop": self.server.loop_watch.json(),
             "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams,
-                                          "queued": stages[dst].queued if dst in stages else 0}
+                                          "queued": stages[dst].queued if dst in stages else 0,
+                                          "inline": (src, dst) in inline}
                       for (src, dst), e in self._edge_stats().items()},
             "stages": {sid: {"active": st.active, "runs": st.runs, "errors": st.errors, "queued": st.queued}
                        for sid, st in stages.items()},

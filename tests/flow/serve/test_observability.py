@@ -20,6 +20,8 @@ def test_stats_and_metrics_reflect_traffic(qwen3_server: RunningServer) -> None:
     edges = stats["edges"]
     assert edges["generate -> process"]["items"] >= 2 and edges["prepare -> generate"]["streams"] >= 2
     assert "openai_chat -> prepare" in edges and "response_store" in stats["resources"]
+    # The chat chain runs in one task: its edges are calls (no queue), and still counted.
+    assert edges["generate -> process"]["inline"] and edges["openai_chat -> prepare"]["inline"]
     text = httpx.get(qwen3_server.base_url + "/metrics").text
     lines = text.splitlines()
     assert "# TYPE flow_requests_total counter" in lines
