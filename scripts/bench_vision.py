@@ -3,9 +3,12 @@ conversation (the prefix cache), against ``mlx_vlm.generate``; and 8 text stream
 requests arrive.
 
     eval "$(.venv/bin/python -m flow.cli.blas)"
-    .venv/bin/python scripts/bench_vision.py [--model tiny:bench-vlm] [--rounds 5] [--size 640x480]
+    .venv/bin/python scripts/bench_vision.py [--model tiny:bench-vlm,tiny:bench-qwen2.5-vl] [--rounds 5]
+        [--size 640x480]
 
-One ``flow serve`` (the default graph on the model, its prefix cache in a temporary directory). TTFT is the
+One ``flow serve`` per model, one after the other (the default graph on the model, its prefix cache in a temporary
+directory): by default a Gemma 3 (1-D positions) and a Qwen2.5-VL (3-D M-RoPE positions, each picture at its own
+size) of the same sizes. TTFT is the
 latency of a non-streamed ``max_tokens=1`` chat request (prefill and one token), median over ``--rounds``:
 
 * **cold**: an image the server has not seen, after text it has not seen;
@@ -42,7 +45,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_concurrency import RequestResult, free_port, prompt_text, stream_one, wait_ready  # noqa: E402
+from bench_concurrency import (
+    RequestResult,
+    free_port,
+    prompt_text,
+    stream_one,
+    wait_ready,
+)
 
 
 def photo(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -158,7 +167,8 @@ def mlx_vlm_ttft(model_dir: Path, rounds: int, size: tuple[int, int]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny:bench-vlm", help="tiny:PRESET or a local vision model directory")
+    parser.add_argument("--model", default="tiny:bench-vlm,tiny:bench-qwen2.5-vl",
+                        help="tiny:PRESET or a local vision model directory; several, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--size", default="640x480", help="the pictures' size, WxH")
     parser.add_argument("--streams", type=int, default=8)
@@ -167,10 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                       "during the text streams (also run back to back)")
     args = parser.parse_args(argv)
     width, height = (int(x) for x in args.size.split("x"))
-    size = (width, height)
+    for model in args.model.split(","):
+        bench(model.strip(), args, (width, height))
+    return 0
+
+
+def bench(model: str, args: argparse.Namespace, size: tuple[int, int]) -> None:
     from runtime.models import resolve_model_path
 
-    model_dir = resolve_model_path(args.model)
+    model_dir = resolve_model_path(model)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="flow-bench-vision-") as tmp_name:
@@ -182,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         import subprocess
 
         flow_bin = Path(sys.executable).parent / "flow"
-        proc = subprocess.Popen([str(flow_bin), "--log-level", "WARNING", "serve", str(graph), "--port", str(port)],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "flow.log", "wb"))
+        with open(tmp / "flow.log", "wb") as log:
+            proc = subprocess.Popen([str(flow_bin), "--log-level", "WARNING", "serve", str(graph), "--port",
+                                     str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
         try:
             wait_ready(url, proc)
             first = ttfts(url, args.rounds, size)
@@ -198,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=60)
     direct = mlx_vlm_ttft(model_dir, args.rounds, size)
     cold = first["cold"]
-    print(f"\n{args.model} ({args.size} pictures), medians of {args.rounds} rounds\n")
+    print(f"\n{model} ({args.size} pictures), medians of {args.rounds} rounds\n")
     print("| | TTFT | vs cold |")
     print("|---|---|---|")
     print(f"| mlx_vlm.generate (cold, direct) | {direct * 1000:.0f} ms | {cold / direct:.2f}x flow's cold |")
@@ -217,7 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| an image request every {args.image_every:g} s | {paced:.1f} | **{paced / alone:.2f}x** | "
           f"{served_text(paced_served)} |")
     print(f"| image requests back to back | {busy:.1f} | {busy / alone:.2f}x | {served_text(served)} |")
-    return 0
 
 
 if __name__ == "__main__":
