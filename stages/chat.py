@@ -436,7 +436,7 @@ class _ChoiceStream:
             finish = "stop"
         elif finish is not None:
             text += stops.flush()
-        logprobs = tuple(_token_strings(self.tokenizer, lp) for lp in chunk.logprobs)
+        logprobs = tuple(_token_strings(self.tokenizer, lp) for lp in chunk.logprobs) if chunk.logprobs else ()
         if self.parser is None:
             events: list[TextDelta | ReasoningDelta | ToolCallDelta] = (
                 [TextDelta(text, logprobs)] if text or logprobs else [])

@@ -52,20 +52,22 @@ def merge_pending(chunk: TokenChunk, chunks: trio.MemoryReceiveChannel[TokenChun
     """
     if chunk.finish_reason is not None:
         return chunk
-    tokens = list(chunk.token_ids)
-    logprobs = list(chunk.logprobs)
-    finish = None
-    merged = False
+    try:
+        more = chunks.receive_nowait()
+    except (trio.WouldBlock, trio.EndOfChannel):
+        return chunk  # the usual case when downstream keeps up: nothing to fold, nothing built
+    tokens = [*chunk.token_ids, *more.token_ids]
+    logprobs = [*chunk.logprobs, *more.logprobs]
+    finish = more.finish_reason
     while finish is None:
         try:
             more = chunks.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel):
             break
-        merged = True
         tokens.extend(more.token_ids)
         logprobs.extend(more.logprobs)
         finish = more.finish_reason
-    return TokenChunk(tuple(tokens), finish, tuple(logprobs)) if merged else chunk
+    return TokenChunk(tuple(tokens), finish, tuple(logprobs))
 
 
 async def forward_rows(started: GenerationStarted, rows: Sequence[Row], outbox: Outbox[Generation]) -> bool:

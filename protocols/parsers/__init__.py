@@ -202,6 +202,8 @@ class ResponseParser(StreamParser):
         return [*self._through_tools(self.reasoning.finish()), *self.tools.finish()]
 
     def _through_tools(self, events: list[Event]) -> list[Event]:
+        if type(self.tools) is NullToolParser:  # no tools: the text is content as it is (per token: no copy)
+            return [event for event in events if not isinstance(event, TextDelta) or event.text]
         out: list[Event] = []
         for event in events:
             if isinstance(event, TextDelta):
