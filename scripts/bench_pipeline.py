@@ -137,9 +137,11 @@ def figures(loads: list[Load]) -> dict[str, Any]:
         return statistics.median(present) if present else None
 
     per_token = [ld.cpu_s / ld.tokens * 1e6 if ld.tokens else None for ld in loads]
+    system_share = [ld.system_s / ld.cpu_s if ld.cpu_s else None for ld in loads]
     per_request = [ld.cpu_s / (ld.requests - ld.failed) * 1000 if ld.requests > ld.failed else None for ld in loads]
     rate = [ld.tokens / ld.wall_s if ld.wall_s else None for ld in loads]
     return {"cpu_us_per_token": median(per_token), "cpu_ms_per_request": median(per_request),
+            "system_share": median(system_share),
             "tokens_per_s": median(rate), "lag_p99_ms": median([ld.lag_p99_ms for ld in loads]),
             "lag_p50_ms": median([ld.lag_p50_ms for ld in loads]),
             "failed": sum(ld.failed for ld in loads), "requests": sum(ld.requests for ld in loads),
@@ -268,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                         runs[cell][server.label].append(done)
                         print(f"round {round_no + 1} {server.label:>8} {cell[0]:>3} {cell[1]:>9} {cell[2]:>6}: "
                               f"{done.cpu_s / max(done.tokens, 1) * 1e6:7.1f} µs/token "
+                              f"({done.system_s / max(done.cpu_s, 1e-9):.0%} system) "
                               f"{done.tokens / done.wall_s:8.0f} tok/s lag p99 {done.lag_p99_ms} ms"
                               + (f" failed {done.failed} {done.errors}" if done.failed else ""), file=sys.stderr)
             if args.profile:

@@ -147,11 +147,12 @@ def check(protocol: str, stream: bool, status: int, data: bytes) -> Answer:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of ``pid`` (``/proc/PID/stat`` fields 14 and 15)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """utime and stime of every thread of ``pid`` (``/proc/PID/stat`` fields 14 and 15): its own code, and the
+    kernel's work for it (system calls: a socket write to a client on this machine takes its TCP stack's work)."""
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 LagHistogram = dict[float, float]  # upper bound (seconds) → cumulative count
@@ -203,7 +204,8 @@ class Load:
     failed: int
     tokens: int
     wall_s: float
-    cpu_s: float
+    cpu_s: float  # user + system
+    system_s: float
     lag_p50_ms: float | None
     lag_p99_ms: float | None
     errors: list[str]
@@ -229,16 +231,18 @@ async def run_load(host: str, port: int, pid: int, protocol: str, stream: bool, 
             await connection.aclose()
 
     lag_before = lag_histogram(await get(host, port, "/metrics"))
-    cpu_before = cpu_seconds(pid)
+    user_before, system_before = cpu_seconds(pid)
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(client)
     wall = time.perf_counter() - started
-    cpu = cpu_seconds(pid) - cpu_before
+    user_after, system_after = cpu_seconds(pid)
+    system = system_after - system_before
+    cpu = user_after - user_before + system
     lag_after = lag_histogram(await get(host, port, "/metrics"))
     p50, p99 = lag_quantile(lag_before, lag_after, 0.5), lag_quantile(lag_before, lag_after, 0.99)
     good = [a for a in answers if a.ok]
-    return Load(len(answers), len(answers) - len(good), sum(a.tokens for a in good), wall, cpu,
+    return Load(len(answers), len(answers) - len(good), sum(a.tokens for a in good), wall, cpu, system,
                 None if p50 is None else p50 * 1000, None if p99 is None else p99 * 1000,
                 sorted({a.error for a in answers if not a.ok})[:3])
