@@ -86,6 +86,16 @@ class LocalModel:
 # ---------------------------------------------------------------- finding
 
 
+def served_name(model: str) -> str:
+    """The id ``flow serve --model MODEL`` serves it under: the directory's name, a GGUF's name without its
+    suffixes."""
+    if model.lower().endswith(".gguf"):
+        from runtime.gguf_import import gguf_model_name
+
+        return gguf_model_name(model)
+    return Path(model.rstrip("/")).name or model
+
+
 def is_model_dir(path: Path) -> bool:
     """True when ``path`` holds a config.json and at least one safetensors file."""
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))

@@ -343,9 +343,9 @@ def pick_model(models: list[ServedModel], wanted: str | None) -> ServedModel | N
     under that id); with none wanted, the first that generates text."""
     if wanted is None:
         return next((m for m in models if m.kind in GENERATIVE_KINDS), None)
-    from flow.cli.main import _served_name
+    from flow.catalog.local_models import served_name
 
-    names = {wanted, _served_name(wanted)}
+    names = {wanted, served_name(wanted)}
     return next((m for m in models if m.id in names or names & set(m.aliases)), None)
 
 

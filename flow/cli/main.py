@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from flow.builtins import compile_file, compile_tables
 from flow.catalog.bundled import resolve_graph_path
+from flow.catalog.local_models import served_name
 from flow.graph.compiled import CompiledGraph, CompileError, GraphError
 from flow.graph.spec import SpecError, graph_files, load_tables
 
@@ -50,20 +51,11 @@ def _load_graph(path: str, *, model: str | None = None, distributed: dict[str, A
     if model is None:
         return compile_tables(tables, path)
     table["path"] = model
-    table["name"] = _served_name(model)
+    table["name"] = served_name(model)
     table.pop("fallbacks", None)  # the graph's other sources were for the model it named
     # The old model's own name no longer fits; generic ids (default, glob patterns) still do.
     table["aliases"] = [a for a in table.get("aliases", []) if a == "default" or is_pattern(a)]
     return compile_tables(tables, path)
-
-
-def _served_name(model: str) -> str:
-    """The id ``--model`` is served under: the directory's name, a GGUF's name without its suffixes."""
-    if model.lower().endswith(".gguf"):
-        from runtime.gguf_import import gguf_model_name
-
-        return gguf_model_name(model)
-    return Path(model.rstrip("/")).name or model
 
 
 def _distributed_flags(args: argparse.Namespace) -> dict[str, Any] | None:
