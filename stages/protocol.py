@@ -17,7 +17,15 @@ import trio
 from pydantic import Field
 
 from flow.graph.isolation import Budget, BudgetExceeded, ChildFailed, run_bounded
-from flow.graph.stage import EachItem, EntryStage, ExitStage, Outbox, StageConfig, Step, note_request
+from flow.graph.stage import (
+    EachItem,
+    EntryStage,
+    ExitStage,
+    Outbox,
+    StageConfig,
+    Step,
+    note_request,
+)
 from protocols import documents
 from protocols.codec import JSON_HEADERS, StreamEncoder
 from protocols.errors import ApiError
