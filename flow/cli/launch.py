@@ -353,7 +353,7 @@ def check_access(url: str, key: str | None) -> None:
     """A clear message now, rather than the client's own error later, when the server wants another key."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        status = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).status_code
+        status = httpx.get(f"{url}/v1/models", headers=headers, timeout=60).status_code
     except httpx.HTTPError as exc:
         raise LaunchError(f"flow launch: the flow server at {url} did not answer: {exc}") from None
     if status in (401, 403):
@@ -368,7 +368,7 @@ def model_context(url: str, key: str | None, model: ServedModel) -> int | None:
         return model.context
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        entry = httpx.get(f"{url}/v1/models/{model.id}", headers=headers, timeout=10).json()
+        entry = httpx.get(f"{url}/v1/models/{model.id}", headers=headers, timeout=60).json()
     except (httpx.HTTPError, ValueError):
         return None
     value = entry.get("max_input_tokens") if isinstance(entry, dict) else None
@@ -428,30 +428,32 @@ def start_server(graph: str, model: str | None, log: Path) -> OwnServer:
     return OwnServer(process, f"http://127.0.0.1:{port}", log)
 
 
-def wait_ready(server: OwnServer, timeout: float = START_TIMEOUT_S) -> list[ServedModel]:
-    """Poll ``/health`` until the server says ``ok``; fail with its log's end if it exits, reports a model it
-    cannot load, or takes longer than ``timeout``."""
-    started = time.monotonic()
-    said = started
+def wait_ready(url: str, server: OwnServer | None = None, timeout: float = START_TIMEOUT_S) -> list[ServedModel]:
+    """Poll ``/health`` until the server at ``url`` says ``ok`` (a running server may still be loading its model;
+    one launch started is loading it); fail if it reports a model it cannot load, takes longer than ``timeout``,
+    or (``server``: one launch started) exits, with the end of its log."""
+    where = f"; see {server.log}" if server is not None else ""
+    started = said = time.monotonic()
     while True:
-        if server.process.poll() is not None:
+        if server is not None and server.process.poll() is not None:
             raise LaunchError(f"flow launch: `flow serve` exited ({server.process.returncode}) before it was "
                               f"ready. The end of its log ({server.log}):\n{server.tail()}")
         try:
-            health = httpx.get(f"{server.url}/health", timeout=3).json()
+            health = httpx.get(f"{url}/health", timeout=10).json()
         except (httpx.HTTPError, ValueError):
             health = None
-        if isinstance(health, dict) and health.get("status") == "ok":
-            return served_models(server.url) or []
-        if isinstance(health, dict) and health.get("status") == "unavailable":
-            raise LaunchError(f"flow launch: the server cannot serve its model. The end of its log ({server.log}):"
-                              f"\n{server.tail()}")
+        status = health.get("status") if isinstance(health, dict) else None
+        if status == "ok":
+            return served_models(url) or []
+        if status == "unavailable":
+            log = f" The end of its log ({server.log}):\n{server.tail()}" if server is not None else ""
+            raise LaunchError(f"flow launch: the server at {url} cannot serve its model.{log}")
         now = time.monotonic()
         if now - started > timeout:
-            raise LaunchError(f"flow launch: the server was not ready after {timeout:.0f} s; see {server.log}")
+            raise LaunchError(f"flow launch: the server at {url} was not ready after {timeout:.0f} s{where}")
         if now - said >= 30:
-            print(f"flow launch: the server is still starting ({now - started:.0f} s; loading or downloading the "
-                  f"model; see {server.log})", file=sys.stderr)
+            print(f"flow launch: the server is still starting ({now - started:.0f} s: loading or downloading the "
+                  f"model{where})", file=sys.stderr)
             said = now
         time.sleep(0.5)
 
@@ -472,11 +474,11 @@ def existing_target(options: Options, key: str | None) -> tuple[str, ServedModel
     """The running server and model to use, or None when launch should start its own."""
     explicit = options.url is not None
     url = (options.url or default_url(options.graph)).rstrip("/")
-    models = served_models(url)
-    if models is None:
+    if served_models(url) is None:
         if explicit:
             raise LaunchError(f"flow launch: no flow server answers at {url}.")
         return None
+    models = wait_ready(url)
     if not explicit and options.graph != "default":
         return None  # a graph was asked for: the one running may be another
     model = pick_model(models, options.model)
@@ -503,7 +505,7 @@ def session_target(options: Options) -> Iterator[Target]:
         return
     server = start_server(options.graph, options.model, launch_dir() / f"{options.client.name}-serve.log")
     try:
-        models = wait_ready(server)
+        models = wait_ready(server.url, server)
         chosen = pick_model(models, options.model) or pick_model(models, None)
         if chosen is None:
             raise LaunchError(f"flow launch: the graph {options.graph!r} serves no chat model.")
