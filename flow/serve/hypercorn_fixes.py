@@ -1,4 +1,4 @@
-"""Changes to hypercorn's HTTP/1.1 server, applied when flow serves: one fix, two shortcuts for streams.
+"""Changes to hypercorn's HTTP/1.1 server, applied when flow serves: two fixes, two shortcuts for streams.
 
 **What the protocol asks must be done.** hypercorn's HTTP/1.1 protocol tells its
 TCP server what to do next — close the connection (``Connection: close``, an
@@ -16,6 +16,15 @@ lands on the first checkpoint of that work:
 
 So those events are handled under a shield — as hypercorn already shields the
 close of an idle connection and the sending of data.
+
+**A connection the client closed is closed now.** When the read loop sees the
+client's end of file, hypercorn's trio server still waits for the keep-alive
+idle timer before it closes its end: every client that closes its connection
+after an answer (most SDKs' one-off requests, a connection that never sent a
+byte) leaves a descriptor in CLOSE_WAIT for ``idle_timeout_seconds``. A burst
+of a few thousand such clients runs the process out of descriptors. The timer
+is stopped when the read loop ends, so the connection's tasks end with the
+client's.
 
 **Data is written at once when the socket takes it.** hypercorn sends each
 piece of a response (``RawData``: for a stream, one per frame) under its send
@@ -55,6 +64,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 _original_protocol_send = TCPServer.protocol_send
 _original_stream_send = H11Protocol.stream_send
+_original_read_data = TCPServer._read_data
 
 
 async def _protocol_send(self: Any, event: Event) -> None:
@@ -99,7 +109,16 @@ async def _stream_send(self: Any, event: StreamEvent) -> None:
     await _original_stream_send(self, event)
 
 
+async def _read_data(self: Any) -> None:
+    try:
+        await _original_read_data(self)
+    finally:  # the client is gone: nothing is left for the idle timer to close
+        with trio.CancelScope(shield=True):
+            await self.idle_task.stop()
+
+
 def apply() -> None:
     """Idempotent."""
     TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     H11Protocol.stream_send = _stream_send  # type: ignore[method-assign]
+    TCPServer._read_data = _read_data  # type: ignore[method-assign]

@@ -8,6 +8,7 @@ protocol; resources close last (the disk tier flushes its writes).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import resource
@@ -35,8 +36,10 @@ def raise_open_file_limit() -> int:
     limit ``accept`` fails with EMFILE: new clients wait in the listen backlog, then time out,
     until connections close. Raising the soft limit is always allowed (Go's runtime does it at
     start-up); where the hard limit is unlimited, the kernel may refuse some values, so smaller
-    ones are tried.
+    ones are tried. ``mlx_lm.utils`` is imported first: were it imported later (a model the pool loads on
+    demand), its import would set (2048, 4096) again under the running server.
     """
+    importlib.import_module("mlx_lm.utils")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return soft
