@@ -27,10 +27,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flow.builtins import compile_tables  # noqa: E402
-from flow.catalog.bundled import graphs_dir  # noqa: E402
-from flow.graph.spec import load_tables  # noqa: E402
-from flow.serve.embedded import RunningServer, running_server  # noqa: E402
+from flow.builtins import compile_tables
+from flow.catalog.bundled import graphs_dir
+from flow.graph.spec import load_tables
+from flow.serve.embedded import RunningServer, running_server
 
 SYSTEM = "You are a careful assistant for the harbour office; answer in one short sentence. " * 20
 
