@@ -116,7 +116,8 @@ class ModelPool(Resource):
         if idle_after is None:
             return
         while True:
-            await trio.sleep(min(idle_after / 4, 5.0))
+            # A quarter of the idle time, between a quarter second (a tiny setting must not spin the loop) and 5 s.
+            await trio.sleep(min(max(idle_after / 4, 0.25), 5.0))
             for model in self._loaded():
                 if not model.pinned and not model.busy(idle_after):
                     log.info("pool %s: unloading %s (idle %.0f s)", self.id, model.name,
