@@ -185,8 +185,9 @@ class Engine:
 
     # ------------------------------------------------------------------ trio side
     async def match_prefix(self, prompt: list[int], policy: CachePolicy = CachePolicy(),
-                           adapters: tuple[Adapter, ...] = ()) -> PrefixHit | None:
-        """The prefix cache's longest match for ``prompt`` (None without a cache); pass it to :meth:`submit`.
+                           adapters: tuple[Adapter, ...] = (), images: PromptImages | None = None) -> PrefixHit | None:
+        """The prefix cache's longest match for ``prompt`` (None without a cache); pass it to :meth:`submit`, with
+        the same ``adapters`` and ``images`` (a cross-attention model keys an image row's blocks by all its images).
 
         Runs on a worker thread: a warm match reads its blocks from disk. The thread cannot be abandoned, so
         a caller cancelled meanwhile (its client left) gets :class:`trio.Cancelled` once the match is done,
@@ -195,7 +196,7 @@ class Engine:
         if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
             return None
         prefix = self.prefix
-        hit = await trio.to_thread.run_sync(prefix.match, self.namespace_for(adapters), prompt, self.windows,
+        hit = await trio.to_thread.run_sync(prefix.match, self.namespace_for(adapters, images), prompt, self.windows,
                                             policy.ttl_seconds)
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -267,7 +268,7 @@ class Engine:
             handle = SequenceHandle(next(self._ids), send, receive, self._cancel)
             seqs.append(Sequence(handle=handle, token=trio.lowlevel.current_trio_token(), prompt=list(prompt),
                                  max_tokens=max_tokens, stop_ids=stop_ids, sampler=sampler,
-                                 policy=policy, adapters=adapters, namespace=self.namespace_for(adapters),
+                                 policy=policy, adapters=adapters, namespace=self.namespace_for(adapters, images),
                                  hit=prefix if i == 0 else None, prefilled=cached_tokens,
                                  keys=prefix.keys if prefix is not None and i == 0 else None,
                                  images=images if i == 0 else None, label=label, turn_point=turn_point))
@@ -289,12 +290,21 @@ class Engine:
         self.device.wake()
         return [s.handle for s in seqs]
 
-    def namespace_for(self, adapters: tuple[Adapter, ...]) -> bytes:
+    def namespace_for(self, adapters: tuple[Adapter, ...], images: PromptImages | None = None) -> bytes:
         """The prefix-cache namespace of sequences run with ``adapters``: the model's, or one derived from it
-        and the adapters' digests (their weights and config, never their names), in stacking order."""
-        if not adapters:
-            return self.namespace
-        return hashlib.sha256(self.namespace + b"".join(a.digest for a in adapters)).digest()[:16]
+        and the adapters' digests (their weights and config, never their names), in stacking order.
+
+        A cross-attention model's image row (runtime/cross_attention.py) has one of its own images too, from their
+        digests in prompt order: every token's KV depends on all of them (a token before the first image attends to
+        every image), so its blocks serve only a prompt with the same images in the same order — the next turn of
+        a conversation with the same pictures, never a text row or a row with other images."""
+        namespace = self.namespace
+        if adapters:
+            namespace = hashlib.sha256(namespace + b"".join(a.digest for a in adapters)).digest()[:16]
+        if images is not None and self._passes.cross:
+            digests = b"".join(span.digest for span in images.spans)
+            namespace = hashlib.sha256(namespace + b"cross-attention images" + digests).digest()[:16]
+        return namespace
 
     # ------------------------------------------------------------------ adapters (device thread, between steps)
     def mount_adapter(self, adapter: Adapter) -> None:
@@ -563,7 +573,7 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self._keeper.drop_hit(seq)
-        seq.cache = seq.embeds = None
+        seq.cache = seq.embeds = seq.cross = None
 
     def _fail(self, seqs: list[Sequence], exc: BaseException) -> None:
         seqs = [*seqs, *(f for s in seqs for f in s.followers)]  # a queued sequence's choices fail with it

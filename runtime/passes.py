@@ -9,7 +9,9 @@ enough (when the model serves it quantized), as mlx-lm does.
 A vision model whose language model takes 3-D positions (M-RoPE: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) gets every
 row's positions with every pass (:meth:`ModelPasses.positions`): each row's own, from the
 :class:`runtime.sequence.RopePositions` made from its prompt and images at its first pass — never a position
-state kept on the model, which serves one sequence in mlx-vlm and every row of the batch here.
+state kept on the model, which serves one sequence in mlx-vlm and every row of the batch here. A vision model that
+reads images by cross-attention (Llama 3.2 Vision) gets its rows' cross-attention windows the same way
+(:class:`runtime.cross_attention.CrossWindows`: each row's own keys, values and prompt mask, and its window's start).
 
 Never imports the engine, the prefix cache or trio.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.adapters import Adapter, AdapterSet
+from runtime.cross_attention import CrossWindows
 from runtime.mtp import MTPDrafter
 from runtime.quantized_kv import KVQuantizer
 from runtime.sequence import RopePositions
@@ -36,10 +39,12 @@ class ModelPasses:
         self.quantizer = quantizer
 
     def run(self, window: mx.array, cache: list[Any], adapters: Iterable[tuple[Adapter, ...]],
-            embeddings: mx.array | None = None, positions: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+            embeddings: mx.array | None = None,
+            positions: mx.array | CrossWindows | None = None) -> tuple[mx.array, mx.array | None]:
         """The model on ``window`` (``[rows, tokens]``): its logits and, when the MTP layers draft (and the window
-        is tokens, not a vision chunk's embeddings), the final hidden states they draft from. ``positions``: the
-        rows' 3-D positions (:meth:`positions`), which an M-RoPE model needs with every pass."""
+        is tokens, not a vision chunk's embeddings), the final hidden states they draft from. ``positions``: what
+        the rows bring to every pass (:meth:`positions`): an M-RoPE model's 3-D positions, a cross-attention
+        model's windows."""
         if self.adapters:
             self.adapters.route(list(adapters))
         if positions is not None:
@@ -59,9 +64,19 @@ class ModelPasses:
         """The model takes 3-D (M-RoPE) positions with every pass."""
         return bool(getattr(self.model, "mrope", False))
 
-    def positions(self, rows: Sequence[Row], starts: Sequence[int], length: int) -> mx.array | None:
-        """The 3-D positions of a pass over ``length`` tokens per row, row ``i`` from its index ``starts[i]`` on
-        (``[3, rows, length]``); None for a model with ordinary positions (they come from its caches' offsets)."""
+    @property
+    def cross(self) -> bool:
+        """The model reads images by cross-attention: each image row brings its states to every pass."""
+        return bool(getattr(self.model, "cross", False))
+
+    def positions(self, rows: Sequence[Row], starts: Sequence[int], length: int) -> mx.array | CrossWindows | None:
+        """What the rows of a pass over ``length`` tokens per row (row ``i`` from its index ``starts[i]`` on) bring
+        to it: an M-RoPE model's 3-D positions (``[3, rows, length]``); a cross-attention model's windows (None when
+        no row has images); None for a model with ordinary positions (they come from its caches' offsets)."""
+        if self.cross:
+            if all(row.cross is None for row in rows):
+                return None
+            return CrossWindows(tuple(row.cross for row in rows), tuple(starts), length)
         if not self.mrope:
             return None
         ropes = [self.rope(row) for row in rows]

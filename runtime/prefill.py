@@ -45,6 +45,7 @@ from runtime.cache_surgery import (
     row_slicer,
     row_state,
 )
+from runtime.cross_attention import CrossStates
 from runtime.engine_stats import Tally
 from runtime.outbox import Outbox
 from runtime.passes import ModelPasses
@@ -151,6 +152,9 @@ class Prefill:
             seq = self.waiting[0]
             if seq.followers and self._room() < 1 + len(seq.followers) and (self._batch_rows() or self.ready):
                 break  # its choices start together, when the batch has a row for each
+            if self._cross_due(seq):  # its images' cross-attention states, before its first pass (even a hit's)
+                budget -= self._embed_images(seq)
+                continue
             if seq.to_prefill > 0:
                 if budget <= 0:
                     break
@@ -224,6 +228,7 @@ class Prefill:
                 follower.cache, follower.prefilled = seq.cache, seq.prefilled  # merged into copies below
                 if self._passes.mrope:
                     follower.rope = self._passes.rope(seq)  # the prompt's positions: its images are the leader's
+                follower.cross = seq.cross  # its images' cross-attention states, shared (never written)
             self.start(Rows.merge(starting))
             self._outbox.flush()
         except Exception as exc:
@@ -354,8 +359,9 @@ class Prefill:
         images = seq.images
         assert images is not None
         if self.model.features_cached(images):
-            seq.embeds = self.model.embed_prompt(seq.prompt, images)
-            mx.eval(seq.embeds)
+            self._embedded(seq, self.model.embed_prompt(seq.prompt, images))
+            if seq.embeds is not None:
+                mx.eval(seq.embeds)
             return sum(span.end - span.start for span in images.spans)
         prompt = seq.prompt
         seq.tower = self.model.worker.submit(lambda: self.model.embed_prompt(prompt, images))
@@ -372,7 +378,7 @@ class Prefill:
             tower, seq.tower = seq.tower, None
             assert tower is not None
             try:
-                seq.embeds = tower.result()
+                self._embedded(seq, tower.result())
             except Exception as exc:
                 log.exception("vision tower failed; failing its sequence")
                 self._fail([seq], exc)
@@ -380,7 +386,21 @@ class Prefill:
             self.waiting.appendleft(seq)
 
 
+    @staticmethod
+    def _embedded(seq: Sequence, made: mx.array | CrossStates) -> None:
+        """What the model made of a prompt's images: its input embeddings, or its row's cross-attention states."""
+        if isinstance(made, CrossStates):
+            seq.cross = made
+        else:
+            seq.embeds = made
+
+    def _cross_due(self, seq: Sequence) -> bool:
+        """A cross-attention model's image prompt whose row has no cross-attention states yet (a prefix hit or not:
+        every pass of the row reads them)."""
+        return seq.images is not None and seq.cross is None and self._passes.cross
+
+
 def _tower_due(seq: Sequence) -> bool:
     """A prompt with an image span left to prefill (not covered by a prefix hit) and no embeddings yet."""
-    return (seq.images is not None and seq.embeds is None
+    return (seq.images is not None and seq.embeds is None and seq.cross is None
             and any(span.end > seq.prefilled for span in seq.images.spans))

@@ -27,6 +27,7 @@ from protocols.ir import CachePolicy, FinishReason, PromptImages, TokenChunk
 from runtime import quantized_kv
 from runtime.adapters import Adapter
 from runtime.cache_surgery import merge_caches
+from runtime.cross_attention import CrossStates
 from runtime.image_spans import key_tokens
 from runtime.prefix_cache import BlockKeys, PrefixHit
 from runtime.sampling import LogprobReport, SequenceSampler
@@ -136,6 +137,9 @@ class Sequence:
     embeds: mx.array | None = None  # its prompt's input embeddings while an image span is left to prefill
     tower: concurrent.futures.Future[mx.array] | None = None  # its images' vision-tower job, while it runs
     rope: RopePositions | None = None  # its 3-D positions (an M-RoPE vision model), made at its first pass
+    # Its images' cross-attention keys, values and prompt mask (a cross-attention vision model), made before its
+    # first pass and dropped when it leaves.
+    cross: CrossStates | None = None
     label: str = ""  # the request it serves, as logs name it
     turn_point: int | None = None  # where its template's messages end (a hybrid model's snapshot for the next turn)
     audit: bool = False  # its prefix hit's first logits are recomputed cold and compared (runtime/prefix_audit.py)
@@ -201,10 +205,16 @@ class Rows:
         if len(keep) == len(self.seqs):
             return
         if not keep:
+            for seq in self.seqs:
+                seq.cross = None
             self.seqs, self.cache, self.first = [], [], []
             return
         for c in self.cache:
             c.filter(keep)
+        kept = set(keep)
+        for i, seq in enumerate(self.seqs):
+            if i not in kept:
+                seq.cross = None  # its cross-attention states go with its KV
         self.seqs = [self.seqs[i] for i in keep]
         if self.first:
             self.first = [self.first[i] for i in keep]
@@ -218,7 +228,9 @@ class Rows:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(c.nbytes) for c in self.cache)
+        """The rows' KV memory, with their cross-attention states (shared by a request's choices: counted once)."""
+        cross = {id(s.cross): s.cross.nbytes for s in self.seqs if s.cross is not None}
+        return sum(int(c.nbytes) for c in self.cache) + sum(cross.values())
 
 
 class DecodeBatch(Rows):
@@ -292,7 +304,7 @@ def without(queue: deque[Sequence], cancelled: set[int]) -> tuple[deque[Sequence
             heir.cache, heir.hit, heir.prefilled, heir.keys = seq.cache, seq.hit, seq.prefilled, seq.keys
             # A vision prompt's images go on with it: their spans still to prefill, their positions.
             heir.images, heir.embeds, heir.tower, heir.rope = seq.images, seq.embeds, seq.tower, seq.rope
-            heir.followers = alive[1:]
-            seq.cache, seq.hit, seq.followers, seq.embeds, seq.tower = None, None, [], None, None
+            heir.cross, heir.followers = seq.cross, alive[1:]
+            seq.cache, seq.hit, seq.followers, seq.embeds, seq.tower, seq.cross = None, None, [], None, None, None
             kept.append(heir)
     return kept, dropped

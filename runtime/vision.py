@@ -23,6 +23,11 @@ with mlx-vlm's own ``get_rope_index``; ``runtime/passes.py`` lays them out per p
 per-sequence state at all. Qwen3-VL's *deepstack* features (tower layers added to the first decoder layers' hidden
 states at the image's positions) travel with the input embeddings: rows below the first, zero where no image
 sits, gathered at the image positions of each chunk.
+
+Models that read images by **cross-attention** (Llama 3.2 Vision, mlx-vlm's ``mllama``) are served too: the prompt
+holds one ``<|image|>`` token per image, and the images reach the language model through its cross-attention
+layers, whose keys and values each row owns (:mod:`runtime.cross_attention`): :meth:`VisionLanguageModel.embed_prompt`
+makes them from the vision tower's output (or the feature cache's, by digest), and every pass gets its rows' windows.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from mlx.nn.layers.base import Module
 
 from protocols.errors import ApiError
 from protocols.ir import ImageSpan, PromptImages
+from runtime import cross_attention
+from runtime.cross_attention import CrossStates, CrossWindows
 from runtime.device import DeviceThread
 from runtime.errors import ModelNotAvailable
 from runtime.image_spans import image_spans
@@ -93,6 +100,9 @@ class VisionLanguageModel(Module):
         self.tower_passes = 0
         # 3-D (M-RoPE) positions: the engine hands every pass its rows' positions (runtime/passes.py).
         self.mrope = callable(getattr(vlm.language_model, "get_rope_index", None))
+        # Images by cross-attention: the engine hands every pass its rows' cross-attention windows.
+        self.cross = str(getattr(config, "model_type", "")) in _CROSS_ATTENTION_TYPES
+        self._crossing = frozenset(config.text_config.cross_attention_layers) if self.cross else frozenset()
 
     # ---------------------------------------------------------------- the engine's text-model interface
     @property
@@ -115,6 +125,9 @@ class VisionLanguageModel(Module):
         trim and cut into prefix blocks."""
         from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+        if self.cross:  # the self-attention layers only: a cross-attention layer's keys and values are the row's own
+            own = [i for i in range(len(self.layers)) if i not in self._crossing]
+            return [KVCache() for _ in own]  # type: ignore[no-untyped-call]
         make = getattr(self.language_model, "make_cache", None)
         if make is None:
             return [KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
@@ -132,13 +145,18 @@ class VisionLanguageModel(Module):
         return out
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None,
-                 positions: mx.array | None = None) -> mx.array:
+                 positions: mx.array | CrossWindows | None = None) -> mx.array:
         """Logits for ``inputs`` (``[rows, tokens]``), from ``input_embeddings`` where given (a vision prompt's
         chunk: ``[1 + deepstack layers, tokens, hidden]`` for one row); ``positions`` (``[3, rows, tokens]``) an
         M-RoPE model takes with every pass, for it keeps no position state of its own here. Without them the rows
         are text from their caches' ends (each token at its index in all three dimensions): what a caller that knows
         nothing of rows gives, as mlx-lm's ``generate`` in ``flow probe`` or the prefix audit's cold run of a text
-        prompt; the engine's passes always give them."""
+        prompt; the engine's passes always give them. A cross-attention model takes its rows' windows
+        (:class:`runtime.cross_attention.CrossWindows`) there instead; without them every row is text."""
+        if self.cross:
+            return cross_attention.forward(self.vlm, inputs, cache,
+                                           positions if isinstance(positions, CrossWindows) else None)
+        assert not isinstance(positions, CrossWindows)
         extra: dict[str, Any] = {}
         if self.mrope:
             extra["position_ids"] = positions if positions is not None else _text_positions(cache, inputs)
@@ -177,9 +195,12 @@ class VisionLanguageModel(Module):
         """Every image's features are in the feature cache (no tower pass needed)."""
         return all(self.features.get(d) is not None for d in _image_digests(images.spans))
 
-    def embed_prompt(self, tokens: Sequence[int], images: PromptImages) -> mx.array:
+    def embed_prompt(self, tokens: Sequence[int], images: PromptImages) -> mx.array | CrossStates:
         """The prompt's input embeddings (1 × tokens × hidden): images from the feature cache when all of them
-        are there, else one vision-tower pass over the prompt's images (whose features are kept)."""
+        are there, else one vision-tower pass over the prompt's images (whose features are kept). A cross-attention
+        model's prompt keeps its tokens' embeddings: it gets its row's cross-attention states instead."""
+        if self.cross:
+            return self._cross_states(tokens, images)
         ids = mx.array([list(tokens)], dtype=mx.int32)
         digests = _image_digests(images.spans)
         cached = [self.features.get(d) for d in digests]
@@ -206,6 +227,34 @@ class VisionLanguageModel(Module):
             self.features.put(digest, mx.concatenate([embeds[:, s.start:s.end] for s in images.spans
                                                       if s.digest == digest], axis=1))
         return embeds
+
+
+    def _cross_states(self, tokens: Sequence[int], images: PromptImages) -> CrossStates:
+        """A cross-attention prompt's row states: its images' projected vision states (the tower's, or the feature
+        cache's when every image is there), in prompt order, with its cross-attention mask."""
+        arrays = {k: mx.array(v) for k, v in images.arrays}
+        mask = arrays.pop("cross_attention_mask")
+        pixels = arrays.pop("pixel_values")
+        arrays.pop("attention_mask", None)
+        order = [span.digest for span in images.spans]
+        count = int(pixels.shape[1])  # the processor's images, in prompt order: one <|image|> token (span) each
+        cached = [self.features.get(d) for d in order] if len(order) == count else []
+        if cached and all(c is not None for c in cached):
+            self.features.hits += len(cached)
+            states = mx.concatenate(cached, axis=1)  # type: ignore[arg-type]
+        else:
+            self.features.misses += len(set(order))
+            ids = mx.array([list(tokens)], dtype=mx.int32)
+            states = self.vlm.get_input_embeddings(ids, pixels, **arrays).cross_attention_states
+            self.tower_passes += 1
+            mx.eval(states)
+            if len(order) == count:
+                per = states.shape[1] // count
+                for i, digest in enumerate(order):
+                    self.features.put(digest, states[:, i * per:(i + 1) * per])
+        row = cross_attention.cross_states(self.vlm, states, mask)
+        mx.eval(row.keys, row.values, row.mask)
+        return row
 
 
 def _text_positions(cache: Any, inputs: mx.array) -> mx.array:
@@ -296,22 +345,12 @@ def _tokens_per_image(processor: Any, images: Sequence[Any], image_token_id: int
     return counts
 
 
-# Vision models whose language model reads the image by cross-attention (not image tokens in the prompt).
+# Vision models whose language model reads the image by cross-attention (not image tokens in the prompt): each
+# row's cross-attention states are its own (runtime/cross_attention.py).
 _CROSS_ATTENTION_TYPES = frozenset({"mllama"})
 # Model types whose language model takes 3-D (M-RoPE) positions, whatever their config's rope section says.
 _MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v",
                           "glm4v_moe", "glm_ocr", "paddleocr_vl", "keye_vl", "dots_ocr"})
-
-
-def unbatchable(config: dict[str, Any]) -> str | None:
-    """Why flow's engine cannot serve this vision model yet, from its config alone (None: it can)."""
-    model_type = str(config.get("model_type", ""))
-    if model_type in _CROSS_ATTENTION_TYPES:
-        return (f"a {model_type} model reads images by cross-attention, which flow's engine does not batch yet (it "
-                "needs each row's cross-attention states kept with the row and its text-only rows skipping the "
-                "cross-attention layers); vision models with image tokens in the prompt (SmolVLM/Idefics3, Gemma 3, "
-                "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, …) are served")
-    return None
 
 
 def declares_mrope(config: dict[str, Any]) -> bool:
@@ -330,10 +369,6 @@ def load_vision_model(path: Path, device: DeviceThread, share: float = 0.15, fea
     from mlx_vlm.utils import load
 
     config = json.loads((path / "config.json").read_text())
-    unsupported = unbatchable(config)
-    if unsupported:
-        raise ModelNotAvailable(f"{path}: {unsupported}. To serve its text side through mlx-lm (where mlx-lm has the "
-                                "architecture), set kind = \"text\" on its [resources.*] table.")
     from runtime.cpu_activations import use_fast_gelu
 
     vlm, processor = load(str(path), lazy=lazy)

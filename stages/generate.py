@@ -127,7 +127,7 @@ class Generate(ModelStage[PreparedPrompt, Generation]):
         policy = request.cache
         # Image positions are keyed by their pixels' digests: the same screenshot next turn is a hit.
         keyed = tokens if prompt.images is None else key_tokens(tokens, prompt.images.spans)
-        hit = await engine.match_prefix(keyed, policy, adapters)
+        hit = await engine.match_prefix(keyed, policy, adapters, prompt.images)
         try:
             handles = engine.submit_choices(tokens, choices, max_tokens=prompt.max_tokens,
                                             stop_ids=prompt.stop_token_ids, prefix=hit, policy=policy,

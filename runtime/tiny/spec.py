@@ -18,7 +18,8 @@ from runtime.tiny.archs import ARCHS, ArchInfo
 Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "deepseek_v3", "kimi_k2", "minimax",
                "seed_oss", "qwen3_5", "gemma4", "phi3", "granite", "granitemoehybrid", "llama4_text", "hermes3",
                "minicpm5", "deepseek_r1", "qwen3_next", "whisper", "soprano", "idefics3", "gemma3_vision", "qwen2",
-               "qwen3_tts", "nemotron_h", "falcon_h1", "lfm2", "mamba2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+               "qwen3_tts", "nemotron_h", "falcon_h1", "lfm2", "mamba2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
+               "mllama"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -31,7 +32,7 @@ _MIN_VOCAB = 512  # 256 byte tokens + specials + some merges
 ROWS_COLS = 6  # SmolVLM's vocabulary holds <row_1_col_1> … <row_6_col_6>
 
 # The vision-language architectures (runtime/tiny/vlm.py): a TinySpec of one of them has a VisionSpec.
-VLM_ARCHS = ("idefics3", "gemma3_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VLM_ARCHS = ("idefics3", "gemma3_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama")
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,9 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-qwen2-vl": TinySpec(arch="qwen2_vl", vision=VisionSpec()),
     "tiny-qwen2.5-vl": TinySpec(arch="qwen2_5_vl", vision=VisionSpec()),
     "tiny-qwen3-vl": TinySpec(arch="qwen3_vl", vision=VisionSpec()),
+    # Llama 3.2 Vision (images by cross-attention; runtime/tiny/mllama.py): 3 layers, the middle one cross-attention;
+    # 32-pixel tiles of 8-pixel patches, at most 4 tiles an image (4 x 17 vision tokens, one <|image|> token).
+    "tiny-mllama": TinySpec(arch="mllama", num_layers=3, vision=VisionSpec(image_size=32, tokens_per_image=4)),
     # A vision tower that costs real time on a CPU: SigLIP-B/14-224's width at half its depth (256 patches, 6
     # layers of 768, ~43M parameters; real VLMs' towers are larger still), 64 tokens per image.
     "bench-vlm": TinySpec(arch="gemma3_vision", hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,

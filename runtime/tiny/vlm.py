@@ -35,6 +35,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from runtime.tiny.archs import ArchInfo
+from runtime.tiny.mllama import (
+    GATE,
+    mllama_info,
+    mllama_model_config,
+    mllama_preprocessor_config,
+    mllama_processor_config,
+)
 from runtime.tiny.qwen_vl import (
     QWEN_VL_ARCHS,
     qwen_vl_info,
@@ -91,6 +98,8 @@ def vlm_arch_info(arch: str) -> ArchInfo:
     """What the real checkpoints of a vision arch (``idefics3``, ``gemma3_vision``, the Qwen-VL ones) have."""
     if arch in QWEN_VL_ARCHS:
         return qwen_vl_info(arch)
+    if arch == "mllama":
+        return mllama_info()
     if arch == "idefics3":
         return _idefics3_info()
     if arch == "gemma3_vision":
@@ -160,6 +169,8 @@ def _model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: ArchInfo,
                   token_id: dict[str, int]) -> dict[str, Any]:
     if arch in QWEN_VL_ARCHS:
         return {**qwen_vl_model_config(arch, spec, vision, info, token_id), **_markers(spec)}
+    if arch == "mllama":
+        return {**mllama_model_config(spec, vision, info, token_id), **_markers(spec)}
     eos = [token_id[t] for t in info.config_eos]
     config: dict[str, Any] = {
         "architectures": [info.architecture],
@@ -225,6 +236,8 @@ def _random_weights(arch: str, spec: TinySpec, config: dict[str, Any]) -> dict[s
             value = mx.zeros_like(value)
         elif arch == "gemma3_vision" and not name.startswith("vision_tower."):
             value = mx.zeros_like(value)  # gemma norms scale by (1 + w): identity is w = 0
+        elif arch == "mllama" and "gate" in name.rsplit(".", 1)[-1]:
+            value = mx.full(value.shape, GATE)  # tanh(0) would shut every cross-attention layer and gated embedding
         if value.ndim == 5:
             # A 3-D patch convolution (Qwen-VL's temporal patches) is stored as PyTorch lays it out, [out, in, t, h,
             # w]: mlx-vlm's sanitize transposes every 5-D patch weight it reads into MLX's [out, t, h, w, in].
@@ -320,6 +333,8 @@ def write_vlm_files(out: Path, spec: TinySpec) -> None:
     tok_config = tokenizer_config(info, tok, spec)
     if arch in QWEN_VL_ARCHS:
         qwen_vl_tokenizer_extras(tok_config, arch)
+    elif arch == "mllama":
+        tok_config["processor_class"] = "MllamaProcessor"
     elif arch == "idefics3":
         tok_config["additional_special_tokens"] = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
         tok_config["processor_class"] = "Idefics3Processor"
@@ -333,6 +348,9 @@ def write_vlm_files(out: Path, spec: TinySpec) -> None:
     if arch in QWEN_VL_ARCHS:
         dump("preprocessor_config.json", qwen_vl_preprocessor_config(arch, vision))
         dump("video_preprocessor_config.json", qwen_vl_video_config(arch, vision))
+    elif arch == "mllama":
+        dump("preprocessor_config.json", mllama_preprocessor_config(vision))
+        dump("processor_config.json", mllama_processor_config())
     else:
         dump("preprocessor_config.json", _preprocessor_config(arch, vision))
         dump("processor_config.json", _processor_config(arch, vision))

@@ -38,14 +38,11 @@ def test_key_tokens_depend_on_the_pixels_and_the_place_never_on_the_token_id() -
     assert swapped[1:3] == one[4:6]  # an image's keys follow it (its place within the image, its pixels)
 
 
-def test_vision_models_the_engine_cannot_batch_are_named() -> None:
-    from runtime.vision import declares_mrope, unbatchable
+def test_3d_position_models_are_told_by_their_config() -> None:
+    from runtime.vision import declares_mrope
 
-    assert unbatchable({"model_type": "idefics3"}) is None
-    assert unbatchable({"model_type": "gemma3", "text_config": {"rope_scaling": {"factor": 8.0}}}) is None
     # 3-D (M-RoPE) positions are served: each row's own, from mlx-vlm's get_rope_index (runtime/passes.py).
-    assert unbatchable({"model_type": "qwen2_5_vl"}) is None
     assert declares_mrope({"model_type": "qwen2_5_vl"}) and not declares_mrope({"model_type": "gemma3"})
     assert declares_mrope({"model_type": "custom", "text_config": {
         "rope_scaling": {"type": "default", "mrope_section": [16, 24, 24]}}})
-    assert "cross-attention" in (unbatchable({"model_type": "mllama"}) or "")
+    assert not declares_mrope({"model_type": "mllama"})  # cross-attention (runtime/cross_attention.py): 1-D

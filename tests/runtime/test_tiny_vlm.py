@@ -41,7 +41,7 @@ def loaded() -> dict[str, tuple[Any, Any]]:
     return {name: load(str(ensure_tiny_model(name))) for name in VLM_PRESETS}
 
 
-@pytest.mark.parametrize("name", [*VLM_PRESETS, "bench-vlm"])
+@pytest.mark.parametrize("name", [*VLM_PRESETS, "bench-vlm", "tiny-mllama"])
 def test_build_is_cached_marked_and_a_vision_model(name: str) -> None:
     path = ensure_tiny_model(name)
     assert ensure_tiny_model(name) == path
@@ -272,3 +272,32 @@ def test_qwen_image_tokens_take_3d_positions_from_their_grid(name: str, loaded: 
     after = int(image[-1]) + 1
     assert (row[:, after:] == first + max(grid_h, grid_w) + np.arange(len(tokens) - after)).all()
     assert int(np.array(delta).item()) == int(row.max()) + 1 - len(tokens) < 0
+
+
+def test_mllama_reads_each_image_by_cross_attention() -> None:
+    """Llama 3.2 Vision (runtime/tiny/mllama.py): one <|image|> token per image in the prompt; every image is 4 tiles
+    of 17 vision tokens (padding tiles masked), which the cross-attention layers read as keys and values; the mask
+    gives each prompt token the tiles of the images from its own <|image|> token on; the gates let the image reach the
+    text."""
+    from mlx_vlm import generate, load
+
+    model, processor = load(str(ensure_tiny_model("tiny-mllama")))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "First "}, {"type": "image"},
+                                             {"type": "text", "text": "then"}, {"type": "image"}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "system" not in prompt  # the template's rule: no system message beside images
+    out = processor(images=[_image(80, 48), _image(20, 30)], text=prompt)
+    ids = np.array(out["input_ids"])[0].tolist()
+    image = image_token(model)
+    at = [i for i, t in enumerate(ids) if t == image]
+    assert len(at) == 2
+    mask = np.array(out["cross_attention_mask"])[0]  # tokens x images x tiles
+    assert mask.shape == (len(ids), 2, 4)
+    assert not mask[: at[0]].any()  # before the first image: none
+    assert mask[at[0]: at[1], 0].any(axis=-1).all() and not mask[at[0]: at[1], 1].any()
+    assert mask[at[1]:, 1].any(axis=-1).all() and not mask[at[1]:, 0].any()
+    assert mask[at[0], 0].sum() > mask[at[1], 1].sum()  # the tall small picture takes fewer tiles
+    assert np.array(out["pixel_values"]).shape[1:3] == (2, 4)
+    runs = [generate(model, processor, prompt, image=[_image(80, 48), _image(20, 30, seed)], max_tokens=8,
+                     temperature=0.0, verbose=False).text for seed in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -1,7 +1,8 @@
 """Vision models through the real server and real mlx-vlm: greedy output equals ``mlx_vlm.stream_generate`` on the
 same image and prompt (the model as the server runs it: flow's GELU on the CPU) in every protocol, streaming and
 not, alone, beside 8 text streams and in one batch of image and text rows — on SmolVLM and Gemma 3 (1-D positions)
-as on Qwen2-VL, Qwen2.5-VL and Qwen3-VL (3-D M-RoPE positions and rope deltas per row); the prefix cache keys image spans by their pixels (a next turn reads the
+as on Qwen2-VL, Qwen2.5-VL and Qwen3-VL (3-D M-RoPE positions and rope deltas per row) and Llama 3.2 Vision
+(cross-attention states per row; its text rows skip those layers, tests/mllama_reference.py); the prefix cache keys image spans by their pixels (a next turn reads the
 image from the cache, swapped or changed images never match) and the feature cache lets a repeated image skip
 the vision tower, without changing the output; every image limit and bad input is a 400 in the protocol's
 shape."""
@@ -27,8 +28,9 @@ from flow.builtins import compile_tables
 from runtime.cpu_activations import use_fast_gelu
 from runtime.tiny import ensure_tiny_model
 from tests.harness import RunningServer, running_server, tables_with_model
+from tests.mllama_reference import text_rows_skip_cross_attention
 
-PRESETS = ("tiny-smolvlm", "tiny-gemma3-vision", "tiny-qwen2.5-vl", "tiny-qwen2-vl", "tiny-qwen3-vl")
+PRESETS = ("tiny-smolvlm", "tiny-gemma3-vision", "tiny-qwen2.5-vl", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-mllama")
 MAX_TOKENS = 10
 QUESTION = "What is in the picture?"
 
@@ -81,8 +83,9 @@ def reference(model: Any, processor: Any, conversation: Case, max_tokens: int = 
         # mlx-vlm tokenizes a text-only prompt with the special tokens added, so Gemma 3's rendered <bos> would be
         # doubled; flow (as mlx-lm) tokenizes the rendered template as it is.
         prompt = prompt[len(bos):]
-    results = list(stream_generate(model, processor, prompt, image=list(conversation.images) or None,
-                                   max_tokens=max_tokens, temperature=0.0))
+    with text_rows_skip_cross_attention():  # Llama 3.2 Vision's text rows as Hugging Face runs them (no-op else)
+        results = list(stream_generate(model, processor, prompt, image=list(conversation.images) or None,
+                                       max_tokens=max_tokens, temperature=0.0))
     tokens = [r.token for r in results][: results[-1].generation_tokens]  # the last result repeats its token
     if results[-1].finish_reason == "stop":
         tokens = tokens[:-1]  # the end token, which flow does not hand out either
@@ -430,7 +433,7 @@ def test_an_image_to_a_text_model_names_the_vision_models(tiny_qwen3: Path) -> N
         assert kinds == {"tiny": "text", "vlm": "vision"}, kinds
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-mllama"])
 def speculating(request: pytest.FixtureRequest) -> Iterator[Vision]:
     """A 3-D position model served with n-gram speculative decoding (a verify pass carries several tokens per row,
     each at its own 3-D position) and 16-token prefill chunks (image spans and Qwen3-VL's deepstack features cut
