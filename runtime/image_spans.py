@@ -31,7 +31,8 @@ def image_spans(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes
     """The runs of image tokens in ``ids``, each tagged with the digest of the image it belongs to.
 
     One run per image is the common case. A processor that tiles an image (SmolVLM/Idefics3) writes several
-    runs per image, separated by tile markers: ``tokens_per_image`` then assigns runs to images in order. When
+    runs per image, separated by tile markers: ``tokens_per_image`` then assigns runs to images in order (and cuts a
+    run that holds several images side by side, as Llama 3.2 Vision's ``<|image|><|image|>``, at their counts). When
     the runs cannot be matched to the images, every run carries the digest of all images together — never a
     false match, just less reuse."""
     runs: list[tuple[int, int]] = []
@@ -46,29 +47,35 @@ def image_spans(ids: Sequence[int], image_token_id: int, digests: Sequence[bytes
         runs.append((start, len(ids)))
     if not runs:
         return ()
-    owners: list[bytes] | None = None
+    pieces: list[tuple[int, int, bytes]] | None = None
     if len(runs) == len(digests):
-        owners = list(digests)
+        pieces = [(a, b, d) for (a, b), d in zip(runs, digests)]
     elif tokens_per_image is not None and len(tokens_per_image) == len(digests):
-        owners = []
+        pieces = []
         counts = list(tokens_per_image)
         image = 0
         for run_start, run_end in runs:
-            while image < len(counts) and counts[image] <= 0:
-                image += 1
-            if image >= len(counts) or counts[image] < run_end - run_start:
-                owners = None
+            at = run_start
+            while at < run_end:  # a run may hold several whole images (Llama 3.2 Vision's <|image|><|image|>)
+                while image < len(counts) and counts[image] <= 0:
+                    image += 1
+                if image >= len(counts):
+                    break
+                take = min(counts[image], run_end - at)
+                pieces.append((at, at + take, digests[image]))
+                counts[image] -= take
+                at += take
+            if at < run_end:  # more image tokens than the images' counts
+                pieces = None
                 break
-            owners.append(digests[image])
-            counts[image] -= run_end - run_start
-        if owners is not None and any(counts):
-            owners = None
-    if owners is None:
+        if pieces is not None and any(counts):
+            pieces = None
+    if pieces is None:
         combined = hashlib.sha256(b"".join(digests)).digest()
-        owners = [combined] * len(runs)
+        pieces = [(a, b, combined) for a, b in runs]
     spans: list[ImageSpan] = []
     offsets: dict[bytes, int] = {}
-    for (run_start, run_end), digest in zip(runs, owners):
+    for run_start, run_end, digest in pieces:
         offset = offsets.get(digest, 0)
         spans.append(ImageSpan(run_start, run_end, digest, offset))
         offsets[digest] = offset + (run_end - run_start)

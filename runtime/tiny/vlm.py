@@ -272,7 +272,7 @@ def _processor_config(arch: str, vision: VisionSpec) -> dict[str, Any]:
 def image_tokens(arch: str, vision: VisionSpec, width: int, height: int) -> int:
     """How many image tokens the processor gives an image of ``width`` x ``height`` pixels (the arithmetic of
     transformers' Idefics3 image processor, step by step; gemma3 resizes every image to one square; Qwen-VL's
-    resize to whole merged patches, HF's ``smart_resize``)."""
+    resize to whole merged patches, HF's ``smart_resize``; mllama's prompt holds one token per image)."""
     if arch in QWEN_VL_ARCHS:
         factor = vision.patch_size * vision.pool
         least, most = factor * factor, vision.image_size * vision.image_size
@@ -284,6 +284,8 @@ def image_tokens(arch: str, vision: VisionSpec, width: int, height: int) -> int:
             beta = math.sqrt(least / (height * width))
             h, w = (math.ceil(side * beta / factor) * factor for side in (height, width))
         return (h // factor) * (w // factor)
+    if arch == "mllama":
+        return 1  # one <|image|> token: the image reaches the text by cross-attention (runtime/tiny/mllama.py)
     if arch != "idefics3":
         return vision.tokens_per_image
     tile = vision.image_size

@@ -20,6 +20,14 @@ def test_tiled_images_are_assigned_runs_by_their_token_counts() -> None:
     assert [(s.digest, s.offset) for s in spans] == [(A, 0), (A, 2), (B, 0)]
 
 
+def test_a_run_of_several_images_is_cut_at_their_counts() -> None:
+    """Llama 3.2 Vision writes one <|image|> token per image: two images side by side are one run of two."""
+    ids = [1, IMG, IMG, 2, IMG, 3]
+    C = b"c" * 32
+    spans = image_spans(ids, IMG, [A, B, C], tokens_per_image=[1, 1, 1])
+    assert [(s.start, s.end, s.digest, s.offset) for s in spans] == [(1, 2, A, 0), (2, 3, B, 0), (4, 5, C, 0)]
+
+
 def test_runs_that_cannot_be_matched_share_the_digest_of_all_images() -> None:
     ids = [1, IMG, IMG, 5, IMG, 6, IMG, 2]
     spans = image_spans(ids, IMG, [A, B], tokens_per_image=[3, 3])  # 4 image tokens, not 6

@@ -89,7 +89,8 @@ def test_a_store_from_before_kinds_keeps_its_rows(tmp_path: Path) -> None:
     assert [c.model for c in store.all()] == ["/e", "/m"] and store.get("/e").profile == {"dims": 32}  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("preset", ["tiny-smolvlm", "tiny-qwen2.5-vl"])  # 1-D and 3-D (M-RoPE) positions
+# 1-D and 3-D (M-RoPE) positions, and cross-attention (one <|image|> token per image)
+@pytest.mark.parametrize("preset", ["tiny-smolvlm", "tiny-qwen2.5-vl", "tiny-mllama"])
 def test_probe_records_a_vision_models_image_capabilities(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                           preset: str) -> None:
     from runtime.tiny import PRESETS
