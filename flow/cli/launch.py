@@ -11,8 +11,10 @@ Theory of operation:
   and port) or on ``--url`` is used when it serves the model asked for (its key: ``$FLOW_API_KEY``, as ``flow
   serve`` reads it). Otherwise launch starts ``flow serve`` with ``--graph``/``--model`` on a free loopback port,
   in its own session (the terminal's Ctrl-C goes to the client, not to it), waits until ``/health`` says it is
-  ready, and stops it (SIGTERM: its graceful drain) when the client exits. The model's context window comes
-  from ``/health``.
+  ready, and stops it (SIGTERM: its graceful drain) when the client exits, on every way out of launch (an error,
+  Ctrl-C while it loads, SIGTERM or SIGHUP). It is tethered to launch (:mod:`flow.cli.tethered`: the kernel's
+  parent-death signal on Linux, a watch on its parent elsewhere), so a launch killed outright (SIGKILL, a test's
+  timeout) takes it along too. The model's context window comes from ``/health``.
 * **The client's configuration** lives in a directory of its own, ``launch/CLIENT`` in flow's data directory
   (``$FLOW_DATA_DIR``, else ``~/.local/share/flow``; ``--config-dir`` names another), which the client is pointed
   at through its documented variable (``CLAUDE_CONFIG_DIR``, ``CODEX_HOME``, ``OPENCODE_CONFIG``). launch rewrites
@@ -411,10 +413,14 @@ class OwnServer:
 def start_server(graph: str, model: str | None, log: Path) -> OwnServer:
     """``flow serve`` on a free loopback port; returns at once (see :func:`wait_ready`).
 
-    Its own session keeps the terminal's Ctrl-C, which is the client's, from reaching it. Its key is
-    ``$FLOW_API_KEY`` if set, as for any ``flow serve``."""
+    Its own session keeps the terminal's Ctrl-C, which is the client's, from reaching it; it is tethered to
+    launch (:mod:`flow.cli.tethered`), so it ends with launch however launch ends. Its key is ``$FLOW_API_KEY`` if
+    set, as for any ``flow serve``."""
     port = free_port()
-    command = [sys.executable, "-m", "flow.cli", "serve", graph, "--host", "127.0.0.1", "--port", str(port)]
+    # Tethered to launch (flow.cli.tethered): it gets SIGTERM when launch ends, even by SIGKILL, so a killed launch
+    # leaves no server behind; its own session would keep anything else from ending it.
+    command = [sys.executable, "-m", "flow.cli.tethered", str(os.getpid()),
+               "serve", graph, "--host", "127.0.0.1", "--port", str(port)]
     if model is not None:
         command += ["--model", model]
     from runtime.private_files import private_dir
@@ -530,16 +536,30 @@ def _raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 
 def run_client(command: list[str], env: Mapping[str, str]) -> int:
-    """The client in the foreground; its exit status (128 + N when signal N ended it, as a shell says)."""
-    process = subprocess.Popen(command, env=dict(env))
+    """The client in the foreground; its exit status (128 + N when signal N ended it, as a shell says).
+
+    The handlers are in place before the client starts: a SIGTERM or SIGHUP that comes while it is being started
+    is kept and passed on once it runs (never lost, and never a client left running by a launch that left), and
+    a Ctrl-C from the moment it exists is its own. Ctrl-C gets a handler that does nothing rather than SIG_IGN,
+    which the client would inherit."""
+    process: subprocess.Popen[bytes] | None = None
+    pending: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        process.send_signal(signum)
+        if process is None:
+            pending.append(signum)
+        else:
+            process.send_signal(signum)
 
-    # Ctrl-C reaches the client through the terminal's process group; launch stays to stop the server after.
+    def ignore(signum: int, frame: FrameType | None) -> None:
+        """Ctrl-C reaches the client through the terminal's process group; launch stays to stop the server."""
+
     previous = {sig: signal.signal(sig, handler) for sig, handler in
-                ((signal.SIGINT, signal.SIG_IGN), (signal.SIGTERM, forward), (signal.SIGHUP, forward))}
+                ((signal.SIGINT, ignore), (signal.SIGTERM, forward), (signal.SIGHUP, forward))}
     try:
+        process = subprocess.Popen(command, env=dict(env))
+        for signum in pending:
+            process.send_signal(signum)
         code = process.wait()
     finally:
         for sig, handler in previous.items():
@@ -562,6 +582,9 @@ def launch(options: Options) -> int:
             return run_client([str(binary), *options.client_args], client_env(options.client, target, os.environ))
     except Terminated as exc:
         return 128 + exc.signum
+    except KeyboardInterrupt:  # Ctrl-C before the client ran (while the server loads): the server is stopped
+        print("flow launch: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

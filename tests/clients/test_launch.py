@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,13 +60,25 @@ def launch_env(tmp: Path, cli: list[str] | None = None) -> dict[str, str]:
 
 
 def run_launch(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """launch to its end, in a session of its own: past TIMEOUT_S (a hang guard) the whole session is killed, the
+    client with launch, so no client is left holding the output pipes (its server goes with launch: tethered)."""
     command = [sys.executable, "-m", "flow.cli", "launch", *args]
-    try:
-        return subprocess.run(command, check=False, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"flow launch {' '.join(args[:1])} did not finish in {TIMEOUT_S} s.\n"
-                    f"stdout: {exc.stdout!r:.3000}\nstderr: {exc.stderr!r:.3000}")
+    with subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            kill_session(process)
+            out, err = process.communicate()
+            pytest.fail(f"flow launch {' '.join(args[:1])} did not finish in {TIMEOUT_S} s.\n"
+                        f"stdout: {out[-3000:]}\nstderr: {err[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def kill_session(process: subprocess.Popen[str]) -> None:
+    """SIGKILL to the process group ``process`` leads (started with ``start_new_session``), if any of it is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def described(proc: subprocess.CompletedProcess[str]) -> str:
@@ -115,9 +128,26 @@ def real_home_untouched() -> Iterator[None]:
 
 
 def server_processes(port: int) -> list[str]:
-    """``flow serve`` processes listening on ``port`` (from ps, as on macOS)."""
+    """``flow serve`` processes listening on ``port`` (from ps, as on macOS): ``python -m flow.cli serve …`` or,
+    before its OpenBLAS re-exec, ``python -m flow.cli.tethered PID serve …``."""
     listing = subprocess.run(["ps", "-A", "-ww", "-o", "pid,args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in listing.splitlines() if "flow.cli serve" in line and f"--port {port}" in line]
+    return [line for line in listing.splitlines()
+            if "-m flow.cli" in line and " serve " in line and re.search(rf"--port {port}( |$)", line)]
+
+
+def servers_gone(port: int, within: float) -> list[str]:
+    """The ``flow serve`` processes on ``port`` still there after up to ``within`` seconds (a hang guard)."""
+    deadline = time.monotonic() + within
+    while (left := server_processes(port)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def kill_servers(port: int) -> None:
+    """What a failed test would leave: the servers on ``port``, killed."""
+    for line in server_processes(port):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
 
 
 def started_port(stderr: str) -> int:
@@ -216,43 +246,52 @@ def test_launch_starts_a_server_and_stops_it(agent_model: Path, codex_cli: list[
 
 # -------------------------------------------------------------------------------- a stand-in client
 
+HANG_GUARD_S = 600  # the longest a step may take on a loaded machine before the test calls it a hang
+
+
 def fake_client(tmp: Path) -> Path:
-    """A ``codex`` that writes its arguments and environment to ``seen.json`` and then sleeps."""
+    """A ``codex`` that writes its arguments and environment to ``seen.json`` (whole: written beside it, then
+    renamed) and then sleeps."""
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
     script = bin_dir / "codex"
+    seen = tmp / "seen.json"
     script.write_text(f"#!{sys.executable}\nimport json, os, sys, time\n"
-                      f"open({str(tmp / 'seen.json')!r}, 'w').write(json.dumps({{'args': sys.argv[1:], "
-                      "'env': dict(os.environ)}))\ntime.sleep(300)\n", encoding="utf-8")
+                      f"open({str(seen) + '.part'!r}, 'w').write(json.dumps({{'args': sys.argv[1:], "
+                      "'env': dict(os.environ)}))\n"
+                      f"os.replace({str(seen) + '.part'!r}, {str(seen)!r})\ntime.sleep(3600)\n", encoding="utf-8")
     script.chmod(0o755)
     return script
 
 
 def start_launch(args: list[str], env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen[str], int, dict[str, Any]]:
     """launch in a session of its own (its own process group, as in a terminal), once its client runs: the
-    process, its server's port, what the client saw."""
-    process = subprocess.Popen([sys.executable, "-m", "flow.cli", "launch", *args], env=env, cwd=tmp,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
+    process, its server's port, what the client saw. Its output goes to files (``launch.out``, ``launch.err``)."""
+    with (tmp / "launch.out").open("w") as out, (tmp / "launch.err").open("w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "flow.cli", "launch", *args], env=env, cwd=tmp,
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, start_new_session=True)
     seen = tmp / "seen.json"
-    deadline = time.monotonic() + 120
-    while not seen.exists() or not seen.read_text():
+    deadline = time.monotonic() + HANG_GUARD_S  # the server loads its model first
+    while not seen.exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            out, err = process.communicate()
-            pytest.fail(f"the client never started ({process.returncode})\n{out[-2000:]}\n{err[-3000:]}")
+            kill_session(process)
+            process.wait()
+            pytest.fail(f"the client never started ({process.returncode})\n{launch_output(tmp)}")
         time.sleep(0.2)
-    time.sleep(0.2)  # the client has written all of it
-    log = (tmp / "data" / "launch" / "codex-serve.log").read_text()
-    port = int(re.search(r"serving graph '[^']+' on http://127\.0\.0\.1:(\d+)", log).group(1))  # type: ignore[union-attr]
-    return process, port, json.loads(seen.read_text())
+    return process, started_port((tmp / "launch.err").read_text()), json.loads(seen.read_text())
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def launch_output(tmp: Path) -> str:
+    return "".join(f"\n--- {name}\n{(tmp / name).read_text()[-3000:]}" for name in ("launch.out", "launch.err"))
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup", "sigkill"])
 def test_the_started_server_goes_with_the_client(how: str, agent_model: Path, tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) ends the client, not launch, which then stops its server;
-    SIGTERM to launch is passed to the client, and the server goes too. What the client was handed is checked on
-    the way: its arguments, CODEX_HOME with the config naming the started server, no OpenBLAS preload."""
+    SIGTERM or SIGHUP to launch is passed to the client, and the server goes too; launch killed outright (SIGKILL:
+    no handler, no clean-up) takes its server along all the same (it is tethered). What the client was handed is
+    checked on the way: its arguments, CODEX_HOME with the config naming the started server, no OpenBLAS preload.
+    No timing is assumed: each wait is a hang guard."""
     fake_client(tmp_path)
     env = launch_env(tmp_path)
     env["PATH"] = f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"
@@ -260,25 +299,34 @@ def test_the_started_server_goes_with_the_client(how: str, agent_model: Path, tm
     process, port, seen = start_launch(["codex", "--model", str(agent_model), "--", "resume", "--last"],
                                        env, tmp_path)
     try:
-        assert server_processes(port), "no server on the port its log names"
+        assert server_processes(port), f"no server on port {port}, where launch said it started one"
         assert seen["args"] == ["resume", "--last"]
         assert seen["env"]["CODEX_HOME"] == str(tmp_path / "data" / "launch" / "codex")
         assert "LD_PRELOAD" not in seen["env"]
         config = tomllib.loads((tmp_path / "data" / "launch" / "codex" / "config.toml").read_text())
         assert config["model_providers"]["flow"]["base_url"] == f"http://127.0.0.1:{port}/v1"
         assert config["model"] == agent_model.name
+        sent = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP,
+                "sigkill": signal.SIGKILL}[how]
         if how == "ctrl-c":
-            os.killpg(process.pid, signal.SIGINT)
-            expected = 128 + signal.SIGINT
+            os.killpg(process.pid, sent)  # the terminal sends it to the foreground group: launch and its client
         else:
-            process.send_signal(signal.SIGTERM)
-            expected = 128 + signal.SIGTERM
-        code = process.wait(60)
+            process.send_signal(sent)
+        try:
+            code = process.wait(HANG_GUARD_S)  # launch stops its server (a drain, then SIGKILL) before it exits
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"flow launch did not exit in {HANG_GUARD_S} s after {how}{launch_output(tmp_path)}")
+        expected = -signal.SIGKILL if how == "sigkill" else 128 + sent
+        assert code == expected, f"exit status {code}, not {expected}{launch_output(tmp_path)}"
+        # A launch that exited has stopped its server already; a killed one's server gets SIGTERM and drains.
+        left = servers_gone(port, 0 if how != "sigkill" else HANG_GUARD_S)
+        assert not left, f"the server outlived launch ({how}): {left}"
+        if how == "sigkill":
+            assert "received SIGTERM" in (tmp_path / "data" / "launch" / "codex-serve.log").read_text()
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert code == expected, process.stderr.read() if process.stderr else code
-    assert not server_processes(port), server_processes(port)
+        kill_session(process)  # the client too, which a killed launch leaves
+        process.wait()
+        kill_servers(port)
 
 
 def test_a_missing_client_says_how_to_install_it(tmp_path: Path) -> None:
