@@ -28,6 +28,16 @@ Models that read images by **cross-attention** (Llama 3.2 Vision, mlx-vlm's ``ml
 holds one ``<|image|>`` token per image, and the images reach the language model through its cross-attention
 layers, whose keys and values each row owns (:mod:`runtime.cross_attention`): :meth:`VisionLanguageModel.embed_prompt`
 makes them from the vision tower's output (or the feature cache's, by digest), and every pass gets its rows' windows.
+
+Models whose language model is a **hybrid** (Qwen3.5's vision variants, mlx-vlm's ``qwen3_5`` / ``qwen3_5_moe``:
+gated-delta layers with recurrent states between attention layers) are served as the text Qwen3.5 is: their layer
+caches are mlx-lm's (``ArraysCache`` for the gated-delta layers), which the engine batches, snapshots in the prefix
+cache and rolls back after a verify pass (:mod:`runtime.recurrent_rollback`). mlx-vlm's model keeps its own cache
+class there (with speculation records) and, around its layers, paths of its own for batches (rows split and run
+one by one when left-padded, a ragged decode kernel); so :func:`_hybrid_forward` runs the layers as mlx-lm's text
+model does — masks from mlx-lm's batch caches (``create_attention_mask``, ``create_ssm_mask``), each row's 3-D
+positions from the engine — and each gated-delta mixer reads and writes an mlx-lm ``ArraysCache`` through
+:class:`_RecurrentView` (the same arithmetic, one sequence's result equal to mlx-vlm's own).
 """
 
 from __future__ import annotations
@@ -103,6 +113,8 @@ class VisionLanguageModel(Module):
         # Images by cross-attention: the engine hands every pass its rows' cross-attention windows.
         self.cross = str(getattr(config, "model_type", "")) in _CROSS_ATTENTION_TYPES
         self._crossing = frozenset(config.text_config.cross_attention_layers) if self.cross else frozenset()
+        # A hybrid language model (gated-delta layers beside attention): its layers run on mlx-lm's caches.
+        self.hybrid = _adopt_gated_delta(vlm.language_model)
 
     # ---------------------------------------------------------------- the engine's text-model interface
     @property
@@ -128,6 +140,8 @@ class VisionLanguageModel(Module):
         if self.cross:  # the self-attention layers only: a cross-attention layer's keys and values are the row's own
             own = [i for i in range(len(self.layers)) if i not in self._crossing]
             return [KVCache() for _ in own]  # type: ignore[no-untyped-call]
+        from mlx_lm.models.cache import ArraysCache
+
         make = getattr(self.language_model, "make_cache", None)
         if make is None:
             return [KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
@@ -136,6 +150,8 @@ class VisionLanguageModel(Module):
             name = type(cache).__name__
             if name == "KVCache":
                 out.append(KVCache())  # type: ignore[no-untyped-call]
+            elif name == "ArraysCache" and self.hybrid:  # a gated-delta layer's: mlx-lm's, as the text Qwen3.5's
+                out.append(ArraysCache(size=len(cache.cache)))
             elif name == "RotatingKVCache":
                 out.append(RotatingKVCache(max_size=int(cache.max_size),  # type: ignore[no-untyped-call]
                                            keep=int(getattr(cache, "keep", 0))))
@@ -162,6 +178,8 @@ class VisionLanguageModel(Module):
             extra["position_ids"] = positions if positions is not None else _text_positions(cache, inputs)
         if input_embeddings is not None and input_embeddings.shape[0] > inputs.shape[0]:
             input_embeddings, extra = self._deepstack(inputs, input_embeddings, extra)
+        if self.hybrid:
+            return _hybrid_forward(self.language_model, inputs, input_embeddings, cache, extra.get("position_ids"))
         out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **extra)
         logits: mx.array = out.logits if hasattr(out, "logits") else out
         return logits
@@ -258,11 +276,97 @@ class VisionLanguageModel(Module):
 
 
 def _text_positions(cache: Any, inputs: mx.array) -> mx.array:
-    """3-D positions of text rows that go on from their caches' ends: ``[3, rows, tokens]``."""
-    offset = cache[0].offset if cache else 0
+    """3-D positions of text rows that go on from their caches' ends: ``[3, rows, tokens]`` (the ends of the first
+    layer that keeps positions: a hybrid's recurrent layers keep none)."""
+    offset = next((c.offset for c in cache if hasattr(c, "offset")), 0) if cache else 0
     first = offset if isinstance(offset, mx.array) else mx.array([offset] * inputs.shape[0])
     grid = first.astype(mx.int32)[:, None] + mx.arange(inputs.shape[1], dtype=mx.int32)[None]
     return mx.broadcast_to(grid[None], (3, *grid.shape))
+
+
+class _RecurrentView:
+    """An mlx-lm ``ArraysCache`` (conv window, recurrent state) as mlx-vlm's Qwen3.5 gated-delta mixer writes its own
+    cache class: the window and state updates of mlx-vlm's ``ArraysCache`` without its speculation records (flow
+    rolls the state back itself), ``lengths`` and ``advance`` mlx-lm's (each row's kept length, its padding)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __getitem__(self, index: int) -> Any:
+        return self.cache[index]
+
+    @property
+    def lengths(self) -> Any:
+        return self.cache.lengths
+
+    def update_window(self, index: int, source: mx.array, width: int, *, lengths: Any = None) -> mx.array:
+        length = source.shape[1] - width
+        if lengths is None:
+            state = mx.contiguous(source[:, length:length + width])
+        else:  # each row's window ends at its length (mlx-lm's right padding: a verify pass cut back)
+            positions = mx.clip(lengths, 0, length)[:, None] + mx.arange(width)
+            state = mx.take_along_axis(source, positions[..., None], axis=1)
+        self.cache[index] = state
+        return state
+
+    def update_recurrent(self, index: int, length: int, update: Callable[[Any, Any], Any]) -> tuple[Any, Any]:
+        output, state = update(self.cache[index], None)[:2]
+        self.cache[index] = state
+        return output, state
+
+    def advance(self, n: int) -> None:
+        self.cache.advance(n)
+
+
+def _adopt_gated_delta(language_model: Any) -> bool:
+    """Let the language model's gated-delta mixers (mlx-vlm's Qwen3.5 ``linear_attn``) run on mlx-lm's
+    ``ArraysCache``: each mixer's class becomes a subclass whose call hands the base class a
+    :class:`_RecurrentView` of it (what :mod:`runtime.recurrent_rollback` then records and replays). True when
+    the model has such layers."""
+    layers = getattr(getattr(language_model, "model", None), "layers", None) or []
+    mixers = [layer.linear_attn for layer in layers
+              if getattr(layer, "is_linear", False) and hasattr(layer, "linear_attn")]
+    if not mixers or not hasattr(getattr(language_model, "model", None), "fa_idx"):
+        return False
+    for mixer in mixers:
+        base = type(mixer)
+        if getattr(base, "_flow_mlx_lm_cache", False):
+            continue
+
+        def __call__(self: Any, inputs: mx.array, mask: Any = None, cache: Any = None, *,
+                     _base: Any = base) -> Any:
+            view = cache if cache is None or hasattr(cache, "update_window") else _RecurrentView(cache)
+            return _base.__call__(self, inputs, mask, view)
+
+        mixer.__class__ = type(f"MlxLmCache{base.__name__}", (base,), {"__call__": __call__,
+                                                                       "_flow_mlx_lm_cache": True})
+    return True
+
+
+def _hybrid_forward(lm: Any, inputs: mx.array, embeds: mx.array | None, cache: Any,
+                    positions: mx.array | None) -> mx.array:
+    """Logits of mlx-vlm's hybrid (Qwen3.5) language model ``lm`` with mlx-lm's batch caches, run as mlx-lm's
+    text Qwen3.5 runs its layers: one attention mask from the first attention layer's cache (left padding, the
+    causal window), one state mask from the first gated-delta layer's (padding and kept lengths), each row's 3-D
+    positions as given."""
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    model = lm.model
+    h = embeds if embeds is not None else model.embed_tokens(inputs)
+    caches = cache if cache is not None else [None] * len(model.layers)
+    fa_mask = create_attention_mask(h, caches[model.fa_idx])
+    ssm_mask = create_ssm_mask(h, caches[model.ssm_idx])  # type: ignore[no-untyped-call]
+    rotated = None
+    if positions is not None:
+        first = next(layer for layer in model.layers if not layer.is_linear)
+        if not first.self_attn.rotary_emb.fused_apply:  # mlx-vlm computes the rotation once for every layer
+            rotated = first.self_attn.rotary_emb(h, positions)
+    for layer, c in zip(model.layers, caches):
+        h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c, position_ids=positions,
+                  position_embeddings=rotated)
+    h = model.norm(h)
+    logits: mx.array = model.embed_tokens.as_linear(h) if lm.args.tie_word_embeddings else lm.lm_head(h)
+    return logits
 
 
 def _image_digests(spans: Sequence[ImageSpan]) -> list[bytes]:

@@ -1,5 +1,5 @@
-"""The Qwen vision-language architectures of the tiny models: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (see
-:mod:`runtime.tiny.vlm`, which writes their files).
+"""The Qwen vision-language architectures of the tiny models: Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5's vision
+variant (see :mod:`runtime.tiny.vlm`, which writes their files).
 
 What sets them apart from the other vision models, and what these tiny ones keep of it:
 
@@ -19,6 +19,10 @@ What sets them apart from the other vision models, and what these tiny ones keep
   (``num_position_embeddings``, a square grid it interpolates) and **deepstack**: the outputs of the tower layers
   in ``deepstack_visual_indexes`` are added to the hidden states at the image's positions after the first
   decoder layers, one per layer.
+* **Qwen3.5** (arch ``qwen3_5_vision``, model type ``qwen3_5``): Qwen3-VL's tower without deepstack beside a
+  *hybrid* language model — gated-delta (linear-attention) layers with recurrent-state caches between full
+  attention layers, every second one here (:func:`runtime.tiny.archs._qwen3_5_fields`) — whose attention layers
+  take 3-D positions on the whole head (the real ones rotate a quarter of it: a tiny head's quarter is 2 pairs).
 
 Configs carry the real checkpoints' keys (Qwen2-VL and Qwen2.5-VL keep the text fields at the top level, Qwen3-VL
 in ``text_config``); the processor files are what mlx-vlm's numpy Qwen-VL processors read offline.
@@ -26,13 +30,14 @@ in ``text_config``); the processor files are what mlx-vlm's numpy Qwen-VL proces
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from runtime.tiny.archs import ArchInfo
+from runtime.tiny.archs import ARCHS, ArchInfo, _qwen3_5_fields
 from runtime.tiny.spec import TinySpec, VisionSpec, size_fields
 from runtime.tiny.templates import QWEN2_VL_TEMPLATE, QWEN3_VL_TEMPLATE
 
-QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_VL_ARCHS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5_vision")
 
 # Qwen2's special tokens in their order (ids 151643… in the real vocabulary, 0… here).
 _SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -45,6 +50,8 @@ _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 def qwen_vl_info(arch: str) -> ArchInfo:
     """What the real checkpoints of a Qwen-VL arch have: Qwen2's vocabulary specials, ChatML turns."""
+    if arch == "qwen3_5_vision":  # the text Qwen3.5's tokens and template (its vision placeholders included)
+        return replace(ARCHS["qwen3_5"], tie_embeddings=False, layer_std=0.1)
     names = {"qwen2_vl": ("Qwen2VLForConditionalGeneration", ()),
              "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", ("<tool_call>", "</tool_call>")),
              "qwen3_vl": ("Qwen3VLForConditionalGeneration",
@@ -76,7 +83,7 @@ def _mrope_section(arch: str, spec: TinySpec) -> list[int]:
     """The frequency pairs of a head (head_dim / 2) split into temporal, height and width sections, in the real
     checkpoints' proportions (Qwen2/2.5-VL: 16, 24, 24 of 64; Qwen3-VL: 24, 20, 20)."""
     pairs = spec.head_dim // 2
-    first = pairs // 2 if arch != "qwen3_vl" else pairs * 3 // 8
+    first = pairs // 2 if arch not in ("qwen3_vl", "qwen3_5_vision") else pairs * 3 // 8
     rest = pairs - first
     return [first, rest // 2, rest - rest // 2]
 
@@ -97,6 +104,9 @@ def qwen_vl_vision_config(arch: str, spec: TinySpec, vision: VisionSpec) -> dict
                 "spatial_patch_size": vision.patch_size, "window_size": vision.patch_size * vision.pool * 2,
                 "fullatt_block_indexes": [vision.num_layers - 1], "tokens_per_second": 2}
     side = vision.patches_per_side
+    if arch == "qwen3_5_vision":  # Qwen3-VL's tower without deepstack (mlx-vlm refuses deepstack indexes for it)
+        return {**qwen_vl_vision_config("qwen3_vl", spec, vision), "model_type": "qwen3_5",
+                "deepstack_visual_indexes": []}
     return {**common, "model_type": "qwen3_vl", "hidden_act": "gelu_pytorch_tanh", "hidden_size": vision.hidden_size,
             "intermediate_size": vision.intermediate_size, "out_hidden_size": spec.hidden_size, "in_channels": 3,
             "initializer_range": 0.02, "num_position_embeddings": side * side,
@@ -124,6 +134,12 @@ def qwen_vl_model_config(arch: str, spec: TinySpec, vision: VisionSpec, info: Ar
     common = {"architectures": [info.architecture], "model_type": arch, **tokens,
               "vision_config": qwen_vl_vision_config(arch, spec, vision), "tie_word_embeddings": info.tie_embeddings,
               "torch_dtype": spec.dtype}
+    if arch == "qwen3_5_vision":
+        fields = _qwen3_5_fields(spec.num_layers)
+        rope = {**fields["rope_parameters"], "partial_rotary_factor": 1.0,
+                "mrope_section": _mrope_section(arch, spec), "mrope_interleaved": True}
+        return {**common, "model_type": "qwen3_5", "text_config": {
+            **text, **fields, "model_type": "qwen3_5_text", "attention_bias": False, "rope_parameters": rope}}
     if arch == "qwen3_vl":
         return {**common, "text_config": {
             **text, "model_type": "qwen3_vl_text", "attention_bias": False, "rope_theta": 5_000_000.0,
@@ -140,14 +156,15 @@ def qwen_vl_preprocessor_config(arch: str, vision: VisionSpec) -> dict[str, Any]
     ``image_size`` squared pixels and at least one merged token."""
     factor = vision.patch_size * vision.pool
     processor = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
-                 "qwen3_vl": "Qwen3VLProcessor"}[arch]
-    mean, std = (_CLIP_MEAN, _CLIP_STD) if arch != "qwen3_vl" else ([0.5] * 3, [0.5] * 3)
+                 "qwen3_vl": "Qwen3VLProcessor", "qwen3_5_vision": "Qwen3VLProcessor"}[arch]
+    later = arch in ("qwen3_vl", "qwen3_5_vision")
+    mean, std = (_CLIP_MEAN, _CLIP_STD) if not later else ([0.5] * 3, [0.5] * 3)
     out: dict[str, Any] = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
                            "image_mean": mean, "image_std": std, "rescale_factor": 1 / 255,
                            "patch_size": vision.patch_size, "temporal_patch_size": 2, "merge_size": vision.pool,
                            "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor}
     pixels = {"shortest_edge": factor * factor, "longest_edge": vision.image_size * vision.image_size}
-    if arch == "qwen3_vl":
+    if later:
         return {**out, "size": pixels}
     return {**out, "min_pixels": pixels["shortest_edge"], "max_pixels": pixels["longest_edge"]}
 

@@ -19,7 +19,7 @@ Arch = Literal["qwen3", "llama", "gemma3", "bert", "modernbert", "gpt_oss", "dee
                "seed_oss", "qwen3_5", "gemma4", "phi3", "granite", "granitemoehybrid", "llama4_text", "hermes3",
                "minicpm5", "deepseek_r1", "qwen3_next", "whisper", "soprano", "idefics3", "gemma3_vision", "qwen2",
                "qwen3_tts", "nemotron_h", "falcon_h1", "lfm2", "mamba2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl",
-               "mllama"]
+               "mllama", "qwen3_5_vision"]
 DType = Literal["float32", "bfloat16", "float16"]
 
 # Bump when the bytes a spec builds change, so cached builds are not reused.
@@ -32,7 +32,7 @@ _MIN_VOCAB = 512  # 256 byte tokens + specials + some merges
 ROWS_COLS = 6  # SmolVLM's vocabulary holds <row_1_col_1> … <row_6_col_6>
 
 # The vision-language architectures (runtime/tiny/vlm.py): a TinySpec of one of them has a VisionSpec.
-VLM_ARCHS = ("idefics3", "gemma3_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama")
+VLM_ARCHS = ("idefics3", "gemma3_vision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mllama", "qwen3_5_vision")
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,9 @@ PRESETS: dict[str, TinySpec] = {
     "tiny-qwen2-vl": TinySpec(arch="qwen2_vl", vision=VisionSpec()),
     "tiny-qwen2.5-vl": TinySpec(arch="qwen2_5_vl", vision=VisionSpec()),
     "tiny-qwen3-vl": TinySpec(arch="qwen3_vl", vision=VisionSpec()),
+    # Qwen3.5's vision variant: Qwen3-VL's tower (no deepstack) beside the hybrid language model of tiny-qwen3.5
+    # (gated-delta and attention layers alternating), whose attention takes 3-D positions.
+    "tiny-qwen3.5-vl": TinySpec(arch="qwen3_5_vision", intermediate_size=64, vision=VisionSpec()),
     # Llama 3.2 Vision (images by cross-attention; runtime/tiny/mllama.py): 3 layers, the middle one cross-attention;
     # 32-pixel tiles of 8-pixel patches, at most 4 tiles an image (4 x 17 vision tokens, one <|image|> token).
     "tiny-mllama": TinySpec(arch="mllama", num_layers=3, vision=VisionSpec(image_size=32, tokens_per_image=4)),
