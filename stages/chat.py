@@ -79,14 +79,17 @@ def render_prompt(tokenizer: Any, request: ChatRequest, family: Family, vision: 
     return str(text)
 
 
-def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, ids: tuple[int, ...]) -> int | None:
-    """Where ``ids`` (``text`` tokenized) end their messages and begin the template's generation prompt, or None.
+def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, ids: tuple[int, ...],
+               vision: bool = False) -> int | None:
+    """Where ``ids`` (``text`` tokenized, or a vision model's processor's expansion of it: image tokens come before
+    the generation prompt, so its tail is the same) end their messages and begin the template's generation prompt,
+    or None; ``vision``: rendered as for a model that reads images.
 
     The generation prompt (with this request's template switches, such as thinking) is read off a one-message
     conversation rendered with and without it: two small renders, not a second one of the whole conversation."""
     probe = replace(request, messages=(Message(role="user", content="?"),))
-    opened, plain = render_prompt(tokenizer, probe, family), render_prompt(tokenizer, probe, family,
-                                                                          generation_prompt=False)
+    opened = render_prompt(tokenizer, probe, family, vision=vision)
+    plain = render_prompt(tokenizer, probe, family, vision=vision, generation_prompt=False)
     suffix = opened[len(plain):] if opened.startswith(plain) else ""
     if not suffix or not text.endswith(suffix):
         return None
@@ -229,10 +232,10 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
             default = self.config.default_max_tokens or resource.config.default_max_tokens  # type: ignore[attr-defined]
             max_tokens = min(default, room)
         engine = getattr(loaded, "engine", None)
-        # A hybrid model's recurrent state is kept where the messages end, for the conversation's next turn.
-        turn = (turn_point(tokenizer, request, resource.family, text, ids)
-                if request.prompt is None and prompt_images is None and engine is not None
-                and engine.keeps_snapshots else None)
+        # A hybrid model's recurrent state is kept where the messages end, for the conversation's next turn (an image
+        # row's too: Qwen3.5's vision models are hybrids, and the next turn repeats its images' span before there).
+        turn = (turn_point(tokenizer, request, resource.family, text, ids, vision=loaded.processor is not None)
+                if request.prompt is None and engine is not None and engine.keeps_snapshots else None)
         return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
                               stop_token_ids=self.stop_ids(resource.name, tokenizer), max_tokens=max_tokens, text=text,
                               images=prompt_images, turn_point=turn)
