@@ -9,8 +9,11 @@ One flow server (the default graph, an in-memory prefix cache) and ``--clients``
 ``--requests`` chat requests under one shared system prompt (every request after the first is a prefix-cache hit)
 with a question of its own, ``--max-tokens`` greedy tokens each. Each round runs every rate once, in an order that
 rotates from round to round; the rate is the engine's own setting, changed between runs. Figures per rate: the
-median over rounds of completion tokens per second (all clients), and the audits run and dropped (an audit only
-runs on idle device time, so under steady load most sampled hits are dropped rather than slowing the batch).
+median over rounds of completion tokens per second (all clients) and of this process's CPU time per completion token
+(server and clients share the process; the clients' share is the same at every rate), each also as the median of
+the per-round ratios to rate 0 (a machine shared with other jobs moves whole rounds; a ratio within a round less),
+and the audits run and dropped (an audit only runs on idle device time, so under steady load most sampled hits are
+dropped rather than slowing the batch).
 """
 
 from __future__ import annotations
@@ -53,15 +56,17 @@ def run_once(server: RunningServer, rate: float, args: argparse.Namespace, salt:
     engine._auditor.rate = rate
     audit = engine.prefix.audit
     before = (audit.audits, audit.dropped)
+    cpu = time.process_time()
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
         tokens = sum(pool.map(lambda i: client(server.base_url, i, args.requests, args.max_tokens, salt),
                               range(args.clients)))
     seconds = time.perf_counter() - start
+    cpu = time.process_time() - cpu
     deadline = time.monotonic() + 60  # the audits sampled in this run finish on the idle device before the next
     while engine._auditor.pending and time.monotonic() < deadline:
         time.sleep(0.05)
-    return {"tps": tokens / seconds, "audits": audit.audits - before[0], "dropped": audit.dropped - before[1]}
+    return {"tps": tokens / seconds, "cpu_ms_per_token": 1000 * cpu / tokens, "audits": audit.audits - before[0], "dropped": audit.dropped - before[1]}
 
 
 def main() -> int:
@@ -84,16 +89,23 @@ def main() -> int:
             order = rates[r % len(rates):] + rates[: r % len(rates)]
             for rate in order:
                 runs[rate].append(run_once(server, rate, args, f"r{r}"))
-                print(f"round {r + 1}: rate {rate:g}: {runs[rate][-1]['tps']:.1f} tok/s", file=sys.stderr)
+                print(f"round {r + 1}: rate {rate:g}: {runs[rate][-1]['tps']:.1f} tok/s, "
+                      f"{runs[rate][-1]['cpu_ms_per_token']:.1f} CPU ms/token", file=sys.stderr)
     base = statistics.median(run["tps"] for run in runs[rates[0]])
     print(f"model `{args.model}`, {args.clients} clients x {args.requests} requests x {args.max_tokens} tokens, "
           f"medians of {args.rounds} rounds (alternating)\n")
-    print("| audit_rate | tok/s | vs rate 0 | audits run | sampled but dropped |")
-    print("|---|---|---|---|---|")
+    print("| audit_rate | tok/s | vs rate 0 | per round: vs rate 0 | CPU ms/token | vs rate 0 | per round: vs rate 0 "
+          "| audits run | sampled but dropped |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    base_cpu = statistics.median(run["cpu_ms_per_token"] for run in runs[rates[0]])
     for rate in rates:
         tps = statistics.median(run["tps"] for run in runs[rate])
-        print(f"| {rate:g} | {tps:.1f} | {tps / base:.3f} | {sum(r['audits'] for r in runs[rate])} | "
-              f"{sum(r['dropped'] for r in runs[rate])} |")
+        cpu = statistics.median(run["cpu_ms_per_token"] for run in runs[rate])
+        paired = statistics.median(a["tps"] / b["tps"] for a, b in zip(runs[rate], runs[rates[0]]))
+        paired_cpu = statistics.median(a["cpu_ms_per_token"] / b["cpu_ms_per_token"]
+                                       for a, b in zip(runs[rate], runs[rates[0]]))
+        print(f"| {rate:g} | {tps:.1f} | {tps / base:.3f} | {paired:.3f} | {cpu:.1f} | {cpu / base_cpu:.3f} | "
+              f"{paired_cpu:.3f} | {sum(r['audits'] for r in runs[rate])} | {sum(r['dropped'] for r in runs[rate])} |")
     return 0
 
 
