@@ -216,6 +216,9 @@ def template_inputs(request: ChatRequest, family: Family, template: str | None, 
                 messages[k] = {"role": "user", "content": f"<tool_response{name}>\n{msg['content']}\n</tool_response>"}
     if merge:
         messages = _merge_users(messages)
+    switch = family.reasoning.switch
+    if switch and request.thinking is not None:  # the template reads the word, not a kwarg
+        system_extra.append(switch[0] if request.thinking else switch[1])
     extra = "\n\n".join(s for s in system_extra if s)
     if extra:
         if messages and messages[0]["role"] in ("system", "developer"):

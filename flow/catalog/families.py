@@ -98,6 +98,9 @@ class Tools(_Strict):
 class Reasoning(_Strict):
     parser: str = Field(default="null", description="reasoning parser id")
     toggle: str | None = Field(default="enable_thinking", description="chat_template_kwargs key that switches thinking")
+    switch: tuple[str, str] | None = Field(
+        default=None, description="[on, off]: the words a template reads in the system message to switch thinking, "
+        "for templates with no toggle key (Nemotron Nano 2: /think, /no_think); the request's choice is written there")
     open_tag: str = Field(default="<think>", description="when the prompt ends with this, output starts inside thinking")
     options: dict[str, Any] = Field(default_factory=dict, description="the parser's format options (tags)")
     effort: str | None = Field(default=None, description="chat_template_kwargs key that takes the request's "

@@ -191,6 +191,25 @@ def test_nemotron_h_tools_calls_results_and_the_thinking_switch() -> None:
     assert render_prompt(tokenizer, ChatRequest(model="m", messages=off), family).endswith("<think></think>")
 
 
+def test_a_requests_thinking_switch_reaches_nemotron_h_as_its_words() -> None:
+    """The template reads no toggle key, only /think and /no_think in the system message (and takes the word out
+    of what it renders): a request that turns thinking off gets the word there, with or without a system message of
+    its own, and its prompt ends in an empty thinking block; on, or no choice, the prompt opens thinking."""
+    tokenizer = load_tokenizer(ensure_tiny_model("tiny-nemotron-h"))
+    family = builtin_families()["nemotron-h"]
+    hi = (Message("user", "Hi"),)
+    brief = (Message("system", "Be brief."), *hi)
+
+    def render(messages: tuple[Message, ...], thinking: bool | None) -> str:
+        return render_prompt(tokenizer, ChatRequest(model="m", messages=messages, thinking=thinking), family)
+
+    for messages in (hi, brief):
+        assert render(messages, False).endswith("<SPECIAL_11>Assistant\n<think></think>"), render(messages, False)
+        assert render(messages, True).endswith("<SPECIAL_11>Assistant\n<think>\n"), render(messages, True)
+        assert render(messages, None).endswith("<SPECIAL_11>Assistant\n<think>\n"), render(messages, None)
+    assert "Be brief." in render(brief, False)
+
+
 def test_falcon_h1_instruct_template_gets_earlier_calls_as_text() -> None:
     """Falcon-H1 Instruct's real template renders an assistant turn's text only: the call goes back in it, written
     as the model writes calls; the result is a tool turn."""
