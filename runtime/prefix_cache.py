@@ -467,6 +467,19 @@ def _joined(pieces: list[mx.array]) -> mx.array:
     return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
 
+def _spanned(pieces: list[mx.array], excess: int, pad: int) -> mx.array:
+    """Blocks' pieces joined into one buffer: less the last block's ``excess`` positions (a snapshot inside it),
+    with ``pad`` empty positions after them for what the sequence writes next (one concatenation)."""
+    if excess > 0:
+        last = pieces[-1]
+        assert excess < last.shape[2], "a hit's blocks end within its last block"
+        pieces = [*pieces[:-1], last[..., : last.shape[2] - excess, :]]
+    if pad > 0:
+        first = pieces[0]
+        pieces = [*pieces, mx.zeros((*first.shape[:2], pad, first.shape[3]), dtype=first.dtype)]
+    return _joined(pieces)
+
+
 def _arrays_of(layer: Any) -> list[mx.array]:
     """The arrays of a layer cache :meth:`PrefixCache.build` made (to evaluate them at once)."""
     if isinstance(layer, CacheList):
@@ -651,11 +664,13 @@ class PrefixCache:
         hit.blocks, hit.state = [], None
 
     # ------------------------------------------------------------------ device thread
-    def build(self, hit: PrefixHit) -> list[Any]:
+    def build(self, hit: PrefixHit, room: int = 0) -> list[Any]:
         """A fresh single-sequence cache holding the hit's tokens; the hit's references are dropped.
 
         Full layers get every position; a sliding-window layer gets the last ``window`` positions,
-        in order, as mlx-lm's rotating cache holds them after reading the prefix itself.
+        in order, as mlx-lm's rotating cache holds them after reading the prefix itself. A full layer's buffer has
+        room for ``room`` more positions (rounded up to mlx-lm's step) in the same concatenation: without it the
+        prefill's first write grows the buffer by copying the whole prefix once more.
         """
         cold = [i for i, block in enumerate(hit.blocks) if block.arrays is None]  # read back from disk
         for run in _runs(cold, lambda a, b: a + 1 == b):
@@ -694,12 +709,16 @@ class PrefixCache:
             if window is None and any(is_packed(k) for k in key_parts):  # cut from live-quantized rows
                 cache.append(joined_layer(key_parts, value_parts, n))
                 continue
+            if not isinstance(window, int):
+                c: Any = KVCache()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
+                pad = -(-(n + room) // c.step) * c.step - n if room > 0 else 0
+                c.keys, c.values = _spanned(key_parts, covered - n, pad), _spanned(value_parts, covered - n, pad)
+                c.offset = n
+                cache.append(c if layer_state is None else CacheList(layer_state, c))  # type: ignore[no-untyped-call]
+                continue
             keys, values = _joined(key_parts), _joined(value_parts)
             if covered > n:  # a snapshot inside the last block: its positions up to the snapshot
                 keys, values = keys[..., : keys.shape[2] - (covered - n), :], values[..., : values.shape[2] - (covered - n), :]
-            if not isinstance(window, int):
-                c: Any = KVCache()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
-                c.keys, c.values, c.offset = keys, values, n
             else:
                 held = min(n, window)
                 c = RotatingKVCache(max_size=window, keep=0)  # type: ignore[no-untyped-call]

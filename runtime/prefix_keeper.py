@@ -63,7 +63,7 @@ class PrefixKeeper:
         if seq.hit is None or self.cache is None:
             return make_prompt_cache(self._passes.model)
         hit, seq.hit = seq.hit, None
-        cache = self.cache.build(hit)
+        cache = self.cache.build(hit, room=len(seq.prompt) - hit.tokens)  # the rest of its prompt is written next
         self._passes.quantize(cache)  # a prefix past the start is quantized, as its first sequence's was
         return cache
 
