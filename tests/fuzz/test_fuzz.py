@@ -28,7 +28,7 @@ from tests.fuzz.strategies import NAMES, Case, cases, regressions
 # limit (about 2 s each here), so that endpoint draws fewer; scripts/fuzz.py --minutes N draws without a bound.
 EXAMPLES = {"chat": 90, "completions": 60, "responses": 60, "messages": 80, "count_tokens": 40, "agent_create": 40,
             "agent_patch": 30, "agent_generate": 50, "embeddings": 40, "rerank": 30, "speech": 25, "lookup": 30,
-            "transcriptions": 16}
+            "transcriptions": 8}
 MINIMIZE_SECONDS = 30.0  # per endpoint, for making failing cases smaller
 # No case may hold the server's event loop longer than this (its own watch: /stats event_loop). Stalls its
 # stack shows as waiting — the loaded machine gave the process no core — are the machine's, not a case's.
