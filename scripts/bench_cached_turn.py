@@ -190,6 +190,8 @@ class Server:
         """A streamed one-token request: when it was sent, when its token's frame came, its usage."""
         body = {"model": "bench", "messages": messages, "max_tokens": 1, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
+        from scripts.bench_prefix import cpu_seconds
+
         usage: dict[str, Any] = {}
         first = None
         idle = cpu_seconds(self.proc.pid)
@@ -228,17 +230,6 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of process ``pid`` so far (``/proc``'s schedstat, in ns)."""
-    total = 0
-    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
-        try:
-            total += int(stat.read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
-            pass
-    return total / 1e9
 
 
 # ---------------------------------------------------------------------------------------------- the floor
