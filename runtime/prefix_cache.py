@@ -714,12 +714,8 @@ class PrefixCache:
                 pad = -(-(n + room) // c.step) * c.step - n if room > 0 else 0
                 c.keys, c.values = _spanned(key_parts, covered - n, pad), _spanned(value_parts, covered - n, pad)
                 c.offset = n
-                cache.append(c if layer_state is None else CacheList(layer_state, c))  # type: ignore[no-untyped-call]
-                continue
-            keys, values = _joined(key_parts), _joined(value_parts)
-            if covered > n:  # a snapshot inside the last block: its positions up to the snapshot
-                keys, values = keys[..., : keys.shape[2] - (covered - n), :], values[..., : values.shape[2] - (covered - n), :]
             else:
+                keys, values = _spanned(key_parts, covered - n, 0), _spanned(value_parts, covered - n, 0)
                 held = min(n, window)
                 c = RotatingKVCache(max_size=window, keep=0)  # type: ignore[no-untyped-call]
                 c.keys, c.values = keys[..., -held:, :], values[..., -held:, :]
