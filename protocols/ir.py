@@ -279,6 +279,18 @@ class PromptImages:
 
 
 @dataclass(frozen=True)
+class MessageEnds:
+    """Where a rendered chat prompt's messages end, in its tokens (None: the template does not say, or nobody
+    asked): ``system`` after the leading system (and developer) messages, ``last`` after the last message, where
+    the template's generation prompt begins. A hybrid model keeps its recurrent state at both: another
+    conversation under the same system prompt repeats the prompt up to the first, this conversation's next turn
+    up to the second."""
+
+    system: int | None = None
+    last: int | None = None
+
+
+@dataclass(frozen=True)
 class PreparedPrompt:
     """A templated, tokenized prompt ready for the engine."""
 
@@ -289,9 +301,7 @@ class PreparedPrompt:
     max_tokens: int
     text: str = ""
     images: PromptImages | None = None  # a vision model's prompt with images: what its tokens leave out
-    # Where the rendered messages end and the template's generation prompt begins (a hybrid model keeps a state
-    # snapshot there: the conversation's next turn repeats the prompt up to it); None: not known or not wanted.
-    turn_point: int | None = None
+    message_ends: MessageEnds = MessageEnds()
 
 
 @dataclass(frozen=True)

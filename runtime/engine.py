@@ -72,7 +72,7 @@ import trio
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from protocols.ir import CachePolicy, PromptImages, SamplingParams, TokenChunk
+from protocols.ir import CachePolicy, MessageEnds, PromptImages, SamplingParams, TokenChunk
 from runtime import quantized_kv
 from runtime.adapters import Adapter, AdapterSet
 from runtime.constrained import Constraint
@@ -208,7 +208,8 @@ class Engine:
     def submit(self, prompt: list[int], *, max_tokens: int, stop_ids: frozenset[int], sampling: SamplingParams,
                prefix: PrefixHit | None = None, policy: CachePolicy = CachePolicy(),
                constraint: Constraint | None = None, adapters: tuple[Adapter, ...] = (),
-               images: PromptImages | None = None, label: str = "", turn_point: int | None = None) -> SequenceHandle:
+               images: PromptImages | None = None, label: str = "",
+               message_ends: MessageEnds = MessageEnds()) -> SequenceHandle:
         """Queue a sequence; raises :class:`EngineOverloaded` when ``max_queue`` sequences wait.
 
         ``prefix`` is a hit of :meth:`match_prefix` for this prompt; the engine
@@ -218,17 +219,18 @@ class Engine:
         rows, and ``prefix`` must come from a match with the same adapters. ``images`` (a vision model's prompt)
         are embedded by the model where their tokens sit; ``prefix`` must come from a match of the prompt's
         :func:`runtime.vision.key_tokens`. ``label`` names the request in logs (a prefix audit's disagreement);
-        ``turn_point``: where the prompt's messages end (a hybrid model keeps a state snapshot there).
+        ``message_ends``: where the prompt's system messages and all its messages end (a hybrid model keeps state
+        snapshots there).
         """
         return self.submit_choices(prompt, [(sampling, constraint)], max_tokens=max_tokens, stop_ids=stop_ids,
                                    prefix=prefix, policy=policy, adapters=adapters, images=images, label=label,
-                                   turn_point=turn_point)[0]
+                                   message_ends=message_ends)[0]
 
     def submit_choices(self, prompt: list[int], choices: list[tuple[SamplingParams, Constraint | None]], *,
                        max_tokens: int, stop_ids: frozenset[int], prefix: PrefixHit | None = None,
                        policy: CachePolicy = CachePolicy(), adapters: tuple[Adapter, ...] = (),
                        images: PromptImages | None = None, label: str = "",
-                       turn_point: int | None = None) -> list[SequenceHandle]:
+                       message_ends: MessageEnds = MessageEnds()) -> list[SequenceHandle]:
         """Queue one sequence per choice (its sampling and constraint) for one prompt, prefilled **once**: the
         choices become rows of the batch from copies of the first one's cache, each sampling its own tokens."""
         try:
@@ -236,7 +238,7 @@ class Engine:
             if images is not None and not hasattr(self.model, "embed_prompt"):
                 raise ValueError("this model does not read images")
             return self._submit(prompt, max_tokens, stop_ids, samplers, prefix, policy, adapters, images, label,
-                                turn_point)
+                                message_ends)
         except BaseException:
             if prefix is not None and self.prefix is not None:
                 self.prefix.release(prefix)
@@ -245,7 +247,7 @@ class Engine:
     def _submit(self, prompt: list[int], max_tokens: int, stop_ids: frozenset[int], samplers: list[SequenceSampler],
                 prefix: PrefixHit | None, policy: CachePolicy, adapters: tuple[Adapter, ...],
                 images: PromptImages | None = None, label: str = "",
-                turn_point: int | None = None) -> list[SequenceHandle]:
+                message_ends: MessageEnds = MessageEnds()) -> list[SequenceHandle]:
         if self.lost is not None:
             raise self.lost
         if not prompt:
@@ -271,7 +273,7 @@ class Engine:
                                  policy=policy, adapters=adapters, namespace=self.namespace_for(adapters, images),
                                  hit=prefix if i == 0 else None, prefilled=cached_tokens,
                                  keys=prefix.keys if prefix is not None and i == 0 else None,
-                                 images=images if i == 0 else None, label=label, turn_point=turn_point))
+                                 images=images if i == 0 else None, label=label, message_ends=message_ends))
             handle.cached_tokens = cached_tokens
             if self.prefix is not None and i == 0:  # the choices after the first share its prefill
                 b = self.prefix.config.block_tokens

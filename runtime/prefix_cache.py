@@ -69,7 +69,9 @@ every prefill-chunk end (chunks end on block boundaries on such models, a bounde
 prompt's end and at the finish. A hit needs both parts at one depth *d*: the attention layers' blocks up to *d*
 (a block cut at *d* when *d* falls inside it, or a tail ending at *d*) and a snapshot at exactly *d*; the match
 takes the deepest such *d* and the rest of the prompt is prefilled from there. Snapshots at block boundaries go
-to the disk tier too (with the blocks' checksums); the others need a tail, which lives in memory only.
+to the disk tier too (with the blocks' checksums), and so do those inside a block where a prompt's messages end
+(the engine asks): after a restart such a snapshot serves once a later prompt has filled its block. The others
+need a tail, which lives in memory only.
 A layer may keep both (Falcon-H1's attention and Mamba-2 mixer side by side: mlx-lm's ``CacheList`` of an
 ``ArraysCache`` and a ``KVCache``): its keys and values go into the blocks like any full layer's, its state into
 the snapshots. A model without attention layers (Mamba-2) keeps blocks that hold no arrays: their keys still
@@ -528,15 +530,8 @@ class PrefixCache:
             if host is None:
                 break
             with self._lock:
-                block = self._blocks.get(key)  # read back meanwhile by another match?
-                if block is None:
-                    parent = hit.blocks[-1].key if hit.blocks else None
-                    block = Block(key, parent, namespace, _nbytes(host.arrays), expires, persist=True, length=b,
-                                  host=host)
-                    self._blocks[key] = block
-                    self.stats.disk_reads += 1
-                block.refs += 1
-                hit.blocks.append(block)
+                hit.blocks.append(self._read_back(key, hit.blocks[-1].key if hit.blocks else None, namespace, host,
+                                                  expires, b))
         depth = usable_depth(hit.blocks, windows, b)
         if depth < len(hit.blocks):
             unused = PrefixHit(namespace, windows, hit.blocks[depth:], b)
@@ -586,7 +581,8 @@ class PrefixCache:
             hit.state, hit.depth = state, depth
             self._release_locked(unused)
 
-        # A tail after the full blocks, with a snapshot where it ends (the previous turn's prompt or answer).
+        # A tail after the full blocks, with a snapshot where it ends (the previous turn's prompt or answer, in
+        # memory; where a prompt's messages ended, on disk).
         start = full * b
         rs = offsets(full, min(b - 1, limit - start))
         if rs:
@@ -599,6 +595,20 @@ class PrefixCache:
                         state.refs += 1
                         take(start + r, full, state, tail)
                         return
+        if self.disk is not None and start < limit:
+            tails = tail_keys(before(full), tokens[start : start + min(b - 1, limit - start)])
+            for r in range(len(tails), 0, -1):
+                tail_host = self._disk_read(tails[r - 1]) if self.disk.has(state_key(tails[r - 1])) else None
+                state_host = self._disk_read(state_key(tails[r - 1])) if tail_host is not None else None
+                if tail_host is None or state_host is None:
+                    continue
+                with self._lock:
+                    tail = self._read_back(tails[r - 1], keys[full - 1] if full else None, namespace, tail_host,
+                                           expires, r)
+                    state = self._read_back(state_key(tails[r - 1]), tails[r - 1], namespace, state_host, expires, 0,
+                                            (before(full), r))
+                    take(start + r, full, state, tail)
+                    return
         for k in range(full, 0, -1):
             # At the end of block k - 1 (0-based): in memory, or on disk.
             key = state_key(keys[k - 1])
@@ -608,19 +618,13 @@ class PrefixCache:
                     state.refs += 1
                     take(k * b, k, state)
                     return
-            host = self.disk.read(key) if self.disk is not None and self.disk.has(key) else None
+            host = self._disk_read(key)
             if host is not None:
                 with self._lock:
-                    state = self._blocks.get(key)
-                    if state is None:
-                        state = Block(key, keys[k - 1], namespace, _nbytes(host.arrays), expires, persist=True,
-                                      length=0, host=host)
-                        self._blocks[key] = state
-                        self.stats.disk_reads += 1
-                    state.refs += 1
-                    take(k * b, k, state)
+                    take(k * b, k, self._read_back(key, keys[k - 1], namespace, host, expires, 0))
                     return
-            # Inside block k - 1: a snapshot at a prompt's or an answer's end that later blocks went past.
+            # Inside block k - 1: a snapshot at a prompt's or an answer's end that later blocks went past (in
+            # memory), or where a prompt's messages ended (on disk, after a restart).
             rs = offsets(k - 1, b - 1)
             if rs:
                 inside = tail_keys(before(k - 1), tokens[(k - 1) * b : (k - 1) * b + rs[0]])
@@ -631,9 +635,35 @@ class PrefixCache:
                             state.refs += 1
                             take((k - 1) * b + r, k, state)
                             return
+            if self.disk is not None:
+                inside = tail_keys(before(k - 1), tokens[(k - 1) * b : k * b - 1])
+                for r in range(len(inside), 0, -1):
+                    host = self._disk_read(state_key(inside[r - 1]))
+                    if host is not None:
+                        with self._lock:
+                            take((k - 1) * b + r, k, self._read_back(state_key(inside[r - 1]), inside[r - 1],
+                                                                     namespace, host, expires, 0, (before(k - 1), r)))
+                            return
         with self._lock:
             self._release_locked(PrefixHit(namespace, hit.windows, hit.blocks, b))
         hit.blocks = []
+
+    def _disk_read(self, key: bytes) -> HostBlock | None:
+        """A block or snapshot from the disk tier, if it holds a sound one."""
+        return self.disk.read(key) if self.disk is not None and self.disk.has(key) else None
+
+    def _read_back(self, key: bytes, parent: bytes | None, namespace: bytes, host: HostBlock, expires: float,
+                   length: int, anchor: tuple[bytes, int] | None = None) -> Block:
+        """The entry for what a match read from disk (the one read meanwhile by another match, if any), with a
+        reference taken (lock held)."""
+        block = self._blocks.get(key)
+        if block is None:
+            block = Block(key, parent, namespace, _nbytes(host.arrays), expires, persist=True, length=length,
+                          host=host, anchor=anchor)
+            self._blocks[key] = block
+            self.stats.disk_reads += 1
+        block.refs += 1
+        return block
 
     def _match_tail(self, namespace: bytes, tokens: Sequence[int], hit: PrefixHit) -> None:
         """Extend a hit by the longest tail (in memory) that continues it: the end of an earlier sequence
@@ -728,14 +758,15 @@ class PrefixCache:
 
     def store(self, namespace: bytes, tokens: Sequence[int], slicer: Slicer, *, tail: bool = False,
               windows: Windows = (), ttl: float | None = None, session_id: str | None = None,
-              keys: BlockKeys | None = None, state: StateReader | None = None) -> int:
+              keys: BlockKeys | None = None, state: StateReader | None = None, lasting: bool = False) -> int:
         """Keep the full blocks of ``tokens`` (whose KV ``slicer`` reads) that the cache lacks; how many it added.
 
         ``tail``: ``tokens`` end where a later request may continue (a prompt's end, a finished sequence),
         so keep the tokens after the last full block too, in memory, if the model's ``windows`` are all
         full layers. ``keys``: the sequence's key chain from its earlier stores (or its match), extended here.
         ``state`` (a model with recurrent layers): reads their state after ``tokens``, kept as a snapshot there
-        (with the tail it needs, when ``tokens`` do not end on a block boundary).
+        (with the tail it needs, when ``tokens`` do not end on a block boundary). ``lasting``: such a snapshot inside
+        a block goes to the disk tier too (where a prompt's messages end: later conversations come back to it).
         """
         b = self.config.block_tokens
         chain = keys if keys is not None and keys.namespace == namespace else BlockKeys(namespace, b)
@@ -760,7 +791,8 @@ class PrefixCache:
         start = len(block_keys) * b
         position = block_keys[-1] if block_keys and start == len(tokens) else None  # the key ending at the end
         if (tail or state is not None) and start < len(tokens) and _full_layers_only(windows):
-            # Memory only: a tail is worth keeping for the next turn, not across a restart.
+            # In memory: a tail is worth keeping for the next turn, not across a restart — unless a snapshot where a
+            # prompt's messages end needs it (other conversations part from this one inside the block).
             key = position = tail_key(parent or namespace, tokens[start:])
             with self._lock:
                 known = self._blocks.get(key)
@@ -768,10 +800,11 @@ class PrefixCache:
                     known.expires = max(known.expires, expires)
             if known is None:
                 arrays = [None if a is None else mx.contiguous(a) for a in slicer(start, len(tokens))]
-                added.append(Block(key, parent, namespace, _nbytes(arrays), expires, False, len(tokens) - start,
+                lasting_tail = persist and lasting and state is not None and not (self.disk and self.disk.has(key))
+                added.append(Block(key, parent, namespace, _nbytes(arrays), expires, lasting_tail, len(tokens) - start,
                                    arrays))
         if state is not None and position is not None and recurrent(windows):
-            snapshot = self._snapshot(namespace, position, state, expires, persist and start == len(tokens),
+            snapshot = self._snapshot(namespace, position, state, expires, persist and (lasting or start == len(tokens)),
                                       (parent or namespace, len(tokens) - start) if start < len(tokens) else None)
             if snapshot is not None:
                 added.append(snapshot)
@@ -809,9 +842,11 @@ class PrefixCache:
             if known is not None:
                 known.expires = max(known.expires, expires)
                 return None
-        if anchor is None and self.disk is not None and self.disk.has(key):
+        on_disk = self.disk is not None and self.disk.has(key)
+        if anchor is None and on_disk:
             return None
         arrays: list[mx.array | None] = [mx.contiguous(a) for a in state()]
+        persist = persist and not on_disk  # one inside a block is kept in memory too, where a match looks first
         return Block(key, position, namespace, _nbytes(arrays), expires, persist, 0, arrays, anchor=anchor)
 
     def _copied(self, run: list[tuple[int, bytes, bytes | None]], slicer: Slicer, namespace: bytes, expires: float,

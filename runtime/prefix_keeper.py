@@ -3,10 +3,12 @@
 A sequence's own cache starts from its prefix hit (:meth:`PrefixKeeper.new_cache`); its prompt's blocks go to
 the cache after every prefill chunk, and with ``cache_mode = "full"`` its prompt's and answer's when it finishes
 (:meth:`PrefixKeeper.keep`). On a hybrid model the recurrent layers' states go with them as snapshots: at the
-prompt's end and the finish, at its *turn point* (the last block boundary ``TURN_MARGIN`` tokens or more before
-the prompt's end, where the conversation's next turn still agrees with it) and at up to ``MAX_CHUNK_STATES``
-chunk ends — the deepest of which rolls forward, so a retried prompt resumes from it. Its prefill chunks end on
-block boundaries and at the turn point (:meth:`PrefixKeeper.snapshot_chunk`) so that the states exist there.
+prompt's end and the finish, at its *turn points* — where its template says the system messages and all the
+messages end (another conversation under the same system prompt, and this one's next turn, go on from there),
+or, when it does not say, the last block boundary ``TURN_MARGIN`` tokens or more before the prompt's end — and at
+up to ``MAX_CHUNK_STATES`` chunk ends, the deepest of which rolls forward, so a retried prompt resumes from it.
+Its prefill chunks end on block boundaries and at the turn points (:meth:`PrefixKeeper.snapshot_chunk`) so that
+the states exist there.
 
 Never imports the engine; the prefix cache and the cache surgery are the modules it stands on.
 """
@@ -75,27 +77,29 @@ class PrefixKeeper:
     def turn_point(self, seq: Sequence) -> int:
         """Where a hybrid model's prompt gets a snapshot before its end that a restart keeps: the last block
         boundary at least ``TURN_MARGIN`` tokens before it (the next turn renders the prompt's last tokens
-        differently), and no deeper than where its messages end, when the template says (``seq.turn_point``)."""
+        differently), and no deeper than where its messages end, when the template says."""
         b = self.block_tokens
         end = len(seq.prompt) - 1 - TURN_MARGIN
-        if seq.turn_point is not None:
-            end = min(end, seq.turn_point)
+        if seq.message_ends.last is not None:
+            end = min(end, seq.message_ends.last)
         return max(0, end) // b * b
 
     def turn_points(self, seq: Sequence) -> tuple[int, ...]:
-        """Every position before the prompt's end that gets a snapshot for the next turn: the block-aligned turn
-        point (on disk too) and, when the template says where the messages end, exactly there (in memory: the
-        next turn repeats every token up to it)."""
-        exact = seq.turn_point
-        aligned = self.turn_point(seq)
-        if exact is None or not aligned < exact < len(seq.prompt) - 1:
-            return (aligned,)
-        return (aligned, exact)
+        """Every position before the prompt's end that gets a snapshot for a later request, ascending: where the
+        system messages end (another conversation under the same system prompt goes on from there) and where all
+        of them end (the conversation's next turn does), exactly there when the template says (the snapshot goes
+        to disk too, and serves from there once a later prompt has filled its block), else the block-aligned turn
+        point. One prefill pass ends at each: as few as serve."""
+        ends = seq.message_ends
+        points = {ends.last if ends.last is not None else self.turn_point(seq)}
+        if ends.system is not None:
+            points.add(ends.system)
+        return tuple(sorted(p for p in points if 0 < p < len(seq.prompt) - 1))
 
     def snapshot_chunk(self, seq: Sequence, n: int) -> int:
         """A prefill chunk of ``n`` tokens as a hybrid model runs it: cut to end on a block boundary (its snapshot
-        then also goes to disk) and at the prompt's turn point (its snapshot serves the conversation's next turn).
-        Any other model's chunk is ``n``."""
+        then also goes to disk) and at the prompt's turn points (their snapshots serve later requests). Any
+        other model's chunk is ``n``."""
         if not self.snapshots:
             return n
         b = self.block_tokens
@@ -129,7 +133,8 @@ class PrefixKeeper:
         try:
             self.cache.store(seq.namespace, tokens if tokens is not None else seq.keyed[: seq.prefilled], slicer,
                              tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
-                             session_id=seq.policy.session_id if last else None, keys=seq.keys, state=state)
+                             session_id=seq.policy.session_id if last else None, keys=seq.keys, state=state,
+                             lasting=not ends and seq.prefilled in self.turn_points(seq))
             b = self.cache.config.block_tokens
             if rolling and seq.prefilled % b == 0 and len(seq.keys.keys) >= seq.prefilled // b > 0:
                 if seq.rolling_state is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 import trio
 
-from protocols.ir import CachePolicy, FinishReason, PromptImages, TokenChunk
+from protocols.ir import CachePolicy, FinishReason, MessageEnds, PromptImages, TokenChunk
 from runtime import quantized_kv
 from runtime.adapters import Adapter
 from runtime.cache_surgery import merge_caches
@@ -141,7 +141,7 @@ class Sequence:
     # first pass and dropped when it leaves.
     cross: CrossStates | None = None
     label: str = ""  # the request it serves, as logs name it
-    turn_point: int | None = None  # where its template's messages end (a hybrid model's snapshot for the next turn)
+    message_ends: MessageEnds = MessageEnds()  # where its template's messages end (a hybrid model's snapshots)
     audit: bool = False  # its prefix hit's first logits are recomputed cold and compared (runtime/prefix_audit.py)
 
     @cached_property

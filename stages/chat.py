@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -24,6 +26,7 @@ from protocols.ir import (
     Generation,
     GenerationStarted,
     Message,
+    MessageEnds,
     PreparedPrompt,
     PromptImages,
     ReasoningDelta,
@@ -95,6 +98,46 @@ def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, 
         return None
     tail = tuple(tokenizer.encode(suffix, add_special_tokens=False))
     return len(ids) - len(tail) if tail and len(tail) < len(ids) and ids[-len(tail):] == tail else None
+
+
+# Leading system messages as tokenized before (per tokenizer): an agent sends the same system prompt every turn.
+_SYSTEM_IDS: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+SYSTEM_IDS_KEPT = 32
+PROBE = "\u2063probe\u2063"  # a user message no real one begins with (invisible separators around a word)
+
+
+def system_end(tokenizer: Any, request: ChatRequest, family: Family, text: str, ids: tuple[int, ...],
+               vision: bool = False) -> int | None:
+    """Where ``ids`` (``text`` tokenized) leave the leading system and developer messages behind — as deep as any
+    conversation under them agrees, the next message's opening included — or None: when there are none, or the
+    template renders them otherwise (the token ids tell).
+
+    Read off the leading messages rendered with a probe user message after them (templates that want a user
+    message, or fold the system prompt into the first user turn, render it all the same): the text before the
+    probe, tokenized once per system prompt, less its last token (which the real message may merge with)."""
+    leading, turns = turn_groups(request.messages)
+    if not leading or not turns:
+        return None
+    try:
+        probed = render_prompt(tokenizer, replace(request, messages=(*leading, Message(role="user", content=PROBE))),
+                               family, vision=vision, generation_prompt=False)
+    except ApiError:
+        return None
+    head_text = probed[: probed.find(PROBE)] if PROBE in probed else ""
+    if not head_text or not text.startswith(head_text):
+        return None
+    try:
+        known = _SYSTEM_IDS.setdefault(tokenizer, OrderedDict())
+    except TypeError:  # not weakly referable: tokenized each time
+        known = OrderedDict()
+    head = known.get(head_text)
+    if head is None:
+        head = known[head_text] = tuple(tokenizer.encode(head_text, add_special_tokens=False))[:-1]
+        if len(known) > SYSTEM_IDS_KEPT:
+            known.popitem(last=False)
+    else:
+        known.move_to_end(head_text)
+    return len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else None
 
 
 def turn_groups(messages: tuple[Message, ...]) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
@@ -234,11 +277,14 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
         engine = getattr(loaded, "engine", None)
         # A hybrid model's recurrent state is kept where the messages end, for the conversation's next turn (an image
         # row's too: Qwen3.5's vision models are hybrids, and the next turn repeats its images' span before there).
-        turn = (turn_point(tokenizer, request, resource.family, text, ids, vision=loaded.processor is not None)
-                if request.prompt is None and engine is not None and engine.keeps_snapshots else None)
+        ends = MessageEnds()
+        if request.prompt is None and engine is not None and engine.keeps_snapshots:
+            vision = loaded.processor is not None
+            ends = MessageEnds(system=system_end(tokenizer, request, resource.family, text, ids, vision=vision),
+                               last=turn_point(tokenizer, request, resource.family, text, ids, vision=vision))
         return PreparedPrompt(request=request, model=resource.name, token_ids=ids,
                               stop_token_ids=self.stop_ids(resource.name, tokenizer), max_tokens=max_tokens, text=text,
-                              images=prompt_images, turn_point=turn)
+                              images=prompt_images, message_ends=ends)
 
     def _overflow(self, request: ChatRequest) -> ContextOverflow:
         return request.context_overflow or self.config.context_overflow  # type: ignore[attr-defined]

@@ -132,7 +132,7 @@ class Generate(ModelStage[PreparedPrompt, Generation]):
             handles = engine.submit_choices(tokens, choices, max_tokens=prompt.max_tokens,
                                             stop_ids=prompt.stop_token_ids, prefix=hit, policy=policy,
                                             adapters=adapters, images=prompt.images, label=request.request_id,
-                                            turn_point=prompt.turn_point)
+                                            message_ends=prompt.message_ends)
         except EngineOverloaded as exc:
             raise ApiError("overloaded", f"The model {prompt.model!r} is busy: {exc}. Retry after "
                            f"{exc.retry_after:g} s.", retry_after=exc.retry_after) from None

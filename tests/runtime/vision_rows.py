@@ -19,7 +19,7 @@ import numpy as np
 import trio
 from PIL import Image
 
-from protocols.ir import PromptImages, SamplingParams
+from protocols.ir import MessageEnds, PromptImages, SamplingParams
 from runtime.device import DeviceThread
 from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
@@ -149,7 +149,7 @@ async def run(engine: Engine, rows: VisionRows, prompts: list[Prompt], *, max_to
         hit = await engine.match_prefix(prompt.keyed, images=prompt.images)
         handles = engine.submit_choices(prompt.ids, [(GREEDY, None)] * choices, max_tokens=max_tokens,
                                         stop_ids=rows.stop, prefix=hit, images=prompt.images,
-                                        turn_point=prompt.turn_point)
+                                        message_ends=MessageEnds(last=prompt.turn_point))
         for c, handle in enumerate(handles):
             out[i * choices + c] = (await collect(handle, lambda _: first.set())).tokens
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,13 +109,30 @@ def test_concurrent_requests_share_passes_and_get_their_own_vectors(server: Runn
     def one(i: int) -> None:
         results[i] = embed(server, model="bert", input=[TEXTS[i % 3]] * (1 + i % 4)).json()
 
+    # the device is held until all 16 requests wait for it, so they meet in its queue whatever the machine's load
+    # (16 HTTP requests reaching a free device one by one could each get a pass of their own)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(60)
+
+    held = server.server.device.submit(hold)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
     try:
+        assert holding.wait(30)
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(60)
+        deadline = time.monotonic() + 60
+        while embedder.embedder.stats_json()["waiting_requests"] < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert embedder.embedder.stats_json()["waiting_requests"] == 16
     finally:
+        release.set()
+        held.result(30)
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join(60)
         embedder.embedder.cost.idle = measured
     for i, body in results.items():
         got = np.array([d["embedding"] for d in body["data"]])

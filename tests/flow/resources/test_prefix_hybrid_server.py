@@ -34,6 +34,20 @@ def ask(url: str, messages: list[Any], max_tokens: int = 12) -> tuple[dict[str, 
     return message, str(message), r.usage.prompt_tokens, cached
 
 
+def rendered(server: Any, model: Path, messages: list[Any]) -> tuple[Any, Any, Any, str, tuple[int, ...]]:
+    """(tokenizer, request, family, text, ids) of ``messages`` as chat.prepare renders them for the served model."""
+    from flow.catalog.families import resolve_family
+    from protocols.ir import ChatRequest, Message
+    from stages.chat import render_prompt
+
+    tokenizer = server.server.models[0].require().tokenizer
+    request = ChatRequest(model="tiny", messages=tuple(Message(role=m["role"], content=m["content"]) for m in messages),
+                          request_id="t")
+    family = resolve_family("auto", model, "tiny", tokenizer.chat_template)
+    text = render_prompt(tokenizer, request, family)
+    return tokenizer, request, family, text, tuple(tokenizer.encode(text, add_special_tokens=False))
+
+
 @pytest.mark.parametrize("preset", HYBRIDS)
 def test_hybrid_hits_answer_as_cold_runs(preset: str, tmp_path: Path) -> None:
     model = ensure_tiny_model(preset)
@@ -69,9 +83,9 @@ def test_hybrid_hits_answer_as_cold_runs(preset: str, tmp_path: Path) -> None:
     with cached_server(model, tmp_path / "b") as fresh:  # the next turn cold, on a server that never saw turn 1
         _, cold2, _, cached = ask(fresh.url, turn2)
         assert cached == 0 and cold2 == warm2
-    with cached_server(model, tmp_path / "a") as restarted:  # the disk tier: snapshots on block boundaries
-        _, again, _, cached = ask(restarted.url, turn1)
-        assert again == cold1 and cached % BLOCK == 0 and cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK
+    with cached_server(model, tmp_path / "a") as restarted:  # the disk tier: the snapshot where turn 1's messages
+        _, again, _, cached = ask(restarted.url, turn1)  # ended, its block filled by turn 2's prompt
+        assert again == cold1 and (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK <= cached <= prompt1 - 1
 
 
 def exchange(server: Any, protocol: str, messages: list[dict[str, str]]) -> tuple[str, int, int]:
@@ -117,9 +131,9 @@ def test_more_hybrid_layouts_answer_as_cold_runs(preset: str, protocol: str, tmp
     with cached_server(model, tmp_path / "fresh") as fresh:  # the next turn cold, on a server that never saw turn 1
         cold2, _, cached = exchange(fresh, protocol, turn2)
         assert cached == 0 and cold2 == warm2
-    with cached_server(model, tmp_path) as restarted:  # the disk tier: snapshots on block boundaries
-        again, _, cached = exchange(restarted, protocol, turn1)
-        assert again == cold1 and cached % BLOCK == 0 and cached >= (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK
+    with cached_server(model, tmp_path) as restarted:  # the disk tier: from where turn 1's messages ended (or the
+        again, _, cached = exchange(restarted, protocol, turn1)  # block boundary before, when the template is mute)
+        assert again == cold1 and (prompt1 - 1 - TURN_MARGIN) // BLOCK * BLOCK <= cached <= prompt1 - 1
 
 
 def test_the_next_turn_resumes_where_the_messages_ended(tmp_path: Path) -> None:
@@ -127,9 +141,7 @@ def test_the_next_turn_resumes_where_the_messages_ended(tmp_path: Path) -> None:
     opens an empty thinking block the history never shows); the hybrid model keeps a state snapshot exactly there,
     so the next turn — with only the prompt cached (``cache_mode: prefix``) — resumes past the block-aligned turn
     point, and answers as a cold run does."""
-    from flow.catalog.families import resolve_family
-    from protocols.ir import ChatRequest, Message
-    from stages.chat import render_prompt, turn_point
+    from stages.chat import turn_point
 
     model = ensure_tiny_model("tiny-qwen3.5")
     turn1: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]
@@ -145,13 +157,9 @@ def test_the_next_turn_resumes_where_the_messages_ended(tmp_path: Path) -> None:
         assert second.usage is not None and second.usage.prompt_tokens_details is not None
         cached = second.usage.prompt_tokens_details.cached_tokens or 0
         # Where turn 1's messages ended, as chat.prepare computes it from the model's own template and tokenizer.
-        loaded = server.server.models[0].require()
-        request = ChatRequest(model="tiny", messages=tuple(Message(role=m["role"], content=m["content"])
-                                                           for m in turn1), request_id="t")
-        family = resolve_family("auto", model, "tiny", loaded.tokenizer.chat_template)
-        text = render_prompt(loaded.tokenizer, request, family)
-        ids = tuple(loaded.tokenizer.encode(text, add_special_tokens=False))
-        boundary = turn_point(loaded.tokenizer, request, family, text, ids)
+        prompt = rendered(server, model, turn1)
+        ids = prompt[-1]
+        boundary = turn_point(*prompt)
         assert boundary is not None and len(ids) - 8 < boundary < len(ids)  # before the generation prompt
         assert boundary > (len(ids) - 1 - TURN_MARGIN) // BLOCK * BLOCK  # deeper than the aligned turn point
         assert cached == boundary
@@ -159,3 +167,30 @@ def test_the_next_turn_resumes_where_the_messages_ended(tmp_path: Path) -> None:
         cold = openai.OpenAI(base_url=fresh.url, api_key="unused", max_retries=0).chat.completions.create(
             messages=turn2, **client_kwargs)
         assert cold.choices[0].message.content == second.choices[0].message.content
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3.5", "tiny-granite4"])
+def test_another_conversation_under_the_same_system_prompt_resumes_where_it_ends(preset: str, tmp_path: Path) -> None:
+    """chat.prepare finds where the system prompt ends (the next message's opening with it); the hybrid model keeps
+    a state snapshot there, in memory and on disk, so another conversation under the same system prompt reuses all
+    of it — after a restart too — and answers as a cold run does."""
+    from stages.chat import system_end
+
+    model = ensure_tiny_model(preset)
+    first: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where is the lamp?"}]
+    other: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count the ships."}]
+    with cached_server(model, tmp_path / "a") as server:
+        _, _, _, cached = ask(server.url, first)
+        assert cached == 0
+        _, warm, prompt, cached = ask(server.url, other)
+        tokenizer, *rest = rendered(server, model, other)
+        end = system_end(tokenizer, *rest)
+        assert end is not None and len(tokenizer.encode(SYSTEM)) < end < prompt - 4
+        assert cached == end  # the whole system prompt, not the last chunk end before it
+    with cached_server(model, tmp_path / "b") as fresh:
+        _, cold, _, cached = ask(fresh.url, other)
+        assert cached == 0 and cold == warm
+    with cached_server(model, tmp_path / "a") as restarted:  # the disk tier: the same snapshot, its block filled
+        third: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name the tower."}]
+        _, _, _, cached = ask(restarted.url, third)  # by the conversations' prompts
+        assert cached == end
