@@ -55,7 +55,7 @@ def test_auto_detection(preset: str, family: str) -> None:
 def test_every_family_file_validates_and_names_known_parsers() -> None:
     families = load_families()
     assert {"default", "qwen3", "qwen3-coder", "llama3", "glm4", "gemma3", "mistral", "lfm2"} <= set(families)
-    assert families["qwen3-coder"].reasoning.parser == "null" and families["qwen3-coder"].stop_tokens == ["<|im_end|>"]
+    assert families["qwen3-coder"].reasoning.parser == "null" and families["qwen3-coder"].stop_tokens == ["<|im_end|>", "<|im_start|>"]
 
 
 def prompt_for(preset: str, family: str, messages: list[Message], **kwargs: Any) -> str:
