@@ -139,8 +139,11 @@ class Reasoning:
 class Constraint:
     """One sequence's matcher: the tokens allowed next, advanced by each token the sequence samples.
 
-    With ``reasoning``, the first token may also open a thinking block (or the prompt opened it): inside it
-    nothing is constrained, and the grammar starts once the block's closing tokens have been sampled."""
+    With ``reasoning``, the first tokens may also open a thinking block (or the prompt opened it): inside it
+    nothing is constrained, and the grammar starts once the block's closing tokens have been sampled. A marker of
+    several tokens (a vocabulary without a ``<think>`` token) is allowed only token by token, in order, beside
+    what the grammar allows: its first piece (``<``) opens no loophole, and one the grammar allows too (a
+    ``<tool_call>`` grammar's ``<``) is fed to both until one of them is left behind."""
 
     def __init__(self, matcher: Any, vocab_size: int, end_ids: tuple[int, ...],
                  reasoning: Reasoning | None = None) -> None:
@@ -149,15 +152,24 @@ class Constraint:
         self._end_ids = end_ids  # allowed when nothing else is (the grammar is complete, or failed)
         self._reasoning = reasoning
         self._phase = "grammar" if reasoning is None else "thinking" if reasoning.inside else "start"
+        self._opened = 0  # in the start phase: the opening marker's tokens sampled so far
+        self._fed = 0  # of those, how many the grammar took too (all of them, or it was left behind)
         self._recent: list[int] = []
 
     def consume(self, token: int) -> None:
         if self._phase == "start":
             assert self._reasoning is not None
-            if self._reasoning.open_ids[:1] == (token,):
-                self._phase = "thinking"
+            opening = self._reasoning.open_ids
+            if token == opening[self._opened]:
+                self._opened += 1
+                if self._fed == self._opened - 1 and self._matcher.validate_tokens([token]) == 1:
+                    self._matcher.consume_token(token)
+                    self._fed += 1
+                if self._opened == len(opening):  # a thinking block: the grammar starts after it, afresh
+                    self._matcher.rollback(self._fed)
+                    self._phase = "thinking"
                 return
-            self._phase = "grammar"
+            self._phase = "grammar"  # the marker was left behind (its tokens so far, the grammar's too)
         if self._phase == "thinking":
             assert self._reasoning is not None
             close = self._reasoning.close_ids
@@ -177,13 +189,14 @@ class Constraint:
         """The ``[vocab]`` boolean mask of tokens allowed next; None while unconstrained (inside thinking)."""
         if self._phase == "thinking":
             return None
-        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         mask = np.zeros(self._vocab_size, dtype=bool)
-        n = min(bits.size, self._vocab_size)
-        mask[:n] = bits[:n].astype(bool)
+        if self._phase != "start" or self._fed == self._opened:  # the grammar is still a way on
+            bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            n = min(bits.size, self._vocab_size)
+            mask[:n] = bits[:n].astype(bool)
         if self._phase == "start":
             assert self._reasoning is not None
-            mask[list(self._reasoning.open_ids[:1])] = True  # the model may think first
+            mask[self._reasoning.open_ids[self._opened]] = True  # the model may think first: the marker goes on
         if not mask.any():  # the matcher failed (it never should with its own mask): end the sequence
             mask[[t for t in self._end_ids if t < self._vocab_size]] = True
         return mask

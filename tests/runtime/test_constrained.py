@@ -72,6 +72,42 @@ def test_the_grammar_starts_after_the_thinking_block(tokenizer: Any, compiler: G
     assert inside.allowed() is None  # the prompt opened the block
 
 
+def test_a_marker_of_several_tokens_opens_the_block_only_in_order(tokenizer: Any, compiler: GrammarCompiler) -> None:
+    """A vocabulary without a thinking token writes the marker in pieces: its first piece alone opens no way
+    around the grammar; after it only the marker goes on (or the grammar, where it takes the same pieces)."""
+    encode = tokenizer._tokenizer.encode
+    reasoning = Reasoning(tuple(encode("<reason>", add_special_tokens=False)),
+                          tuple(encode("</reason>", add_special_tokens=False)))
+    assert len(reasoning.open_ids) > 2
+    constraint = compiler.constraint(Grammar.json_schema(SCHEMA), reasoning)
+    plain = compiler.constraint(Grammar.json_schema(SCHEMA)).allowed()
+    opening = constraint.allowed()
+    assert opening is not None and plain is not None and opening[reasoning.open_ids[0]]
+    assert (opening & plain).sum() == plain.sum()  # or the answer at once
+    for i, token in enumerate(reasoning.open_ids):
+        mask = constraint.allowed()
+        assert mask is not None and mask[token]
+        if i:  # JSON takes no "<": the marker, and nothing else, goes on
+            assert list(np.flatnonzero(mask)) == [token]
+        constraint.consume(token)
+    for token in encode("free thoughts", add_special_tokens=False):
+        assert constraint.allowed() is None
+        constraint.consume(token)
+    for token in reasoning.close_ids:
+        constraint.consume(token)
+    assert json.loads(tokenizer.decode(complete(constraint)))["n"] in range(10)
+    # A grammar that starts with the same piece: both go on until one is left behind, here the marker.
+    tagged = compiler.constraint(Grammar.lark('start: "<answer>" /[0-9]/ "</answer>"'), reasoning)
+    tagged.consume(reasoning.open_ids[0])  # "<": the marker's and the grammar's
+    mask = tagged.allowed()
+    assert mask is not None and mask[reasoning.open_ids[1]] and mask.sum() > 1
+    answer = encode("<answer>", add_special_tokens=False)
+    assert answer[0] == reasoning.open_ids[0] and answer[1] != reasoning.open_ids[1]
+    tagged.consume(answer[1])
+    text = tokenizer.decode([reasoning.open_ids[0], answer[1], *complete(tagged)])
+    assert text.startswith("<answer>") and text.endswith("</answer>") and text[8].isdigit()
+
+
 def test_grammars_are_compiled_once_per_schema(compiler: GrammarCompiler) -> None:
     before = compiler.compiles
     for _ in range(3):
