@@ -1,17 +1,20 @@
-"""Concurrent streaming load: flow's server against ``mlx_lm.server`` and raw ``mlx_lm.batch_generate``.
+"""Concurrent streaming load: flow's server against ``mlx_lm.server``, vllm-mlx and raw ``mlx_lm.batch_generate``.
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
     eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_concurrency.py --model tiny:bench-80m --json bench-80m.json
 
-One run, one model, one load generator, three systems one after the other:
+One run, one model, one load generator, up to four systems one after the other:
 
 1. **flow**: ``flow serve`` in a subprocess, a graph that extends
    ``graphs/default.toml`` with the engine settings given here;
 2. **mlx_lm.server**: ``python -m mlx_lm.server --model DIR`` in a subprocess
    (its defaults: 32 decoding, 8 prompts prefilled together);
-3. **raw**: ``mlx_lm.batch_generate`` on the same chat-templated prompts in a
+3. **vllm-mlx**: ``vllm-mlx serve DIR --continuous-batching --use-paged-cache``
+   in a subprocess, from its own environment (``--vllm-mlx PATH``; it inherits
+   this one's, ``LD_PRELOAD`` included, as ``mlx_lm.server`` does);
+4. **raw**: ``mlx_lm.batch_generate`` on the same chat-templated prompts in a
    subprocess, no HTTP at all: the ceiling.
 
 The load generator is an ``httpx`` async client streaming
@@ -20,10 +23,11 @@ each concurrency level every request starts at once. Figures per level:
 aggregate tok/s (all completion tokens / wall time of the level), median and
 p95 time to first token, median per-stream decode tok/s, failed requests and
 the completion tokens actually generated (random-weight models rarely emit
-EOS, but ``mlx_lm`` stops there; the counts show whether the comparison is
-even). Then "a request arriving while 8 others decode": its TTFT against the
-same request's TTFT on the idle server. Peak RSS is each subprocess's
-``VmHWM``.
+EOS, but ``mlx_lm`` and vllm-mlx stop there, and neither takes ``ignore_eos``
+or ``min_tokens``; the counts, from each stream's usage, show whether the
+comparison is even). Then "a request arriving while 8 others decode": its TTFT
+against the same request's TTFT on the idle server. Peak RSS is each
+subprocess's ``VmHWM``.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 
 from flow.cli.bench import report  # noqa: E402
 
-SYSTEMS = ("flow", "mlx_lm.server", "raw")
+SYSTEMS = ("flow", "mlx_lm.server", "vllm-mlx", "raw")
+VLLM_MLX = Path("/tmp/vllm-venv/bin/vllm-mlx")  # --vllm-mlx's default, where it is installed
 
 
 SHARED_SYSTEM: list[str] = []  # --system-words: one system prompt every request carries, as an agent's do
@@ -260,10 +265,25 @@ def start_flow(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) 
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "flow.log", "wb"))
 
 
-def start_mlx_lm(model_dir: Path, port: int, tmp: Path) -> subprocess.Popen[bytes]:
+def start_mlx_lm(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port),
            "--log-level", "WARNING"]
     return subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=open(tmp / "mlx_lm.log", "wb"))
+
+
+def start_vllm_mlx(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) -> subprocess.Popen[bytes]:
+    """Its own defaults otherwise (256 sequences, 32 decoding, 8 prefilled together)."""
+    cmd = [args.vllm_mlx, "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "bench", "--continuous-batching", "--use-paged-cache"]
+    return subprocess.Popen(cmd, cwd=tmp, stdout=open(tmp / "vllm-mlx.log", "wb"), stderr=subprocess.STDOUT)
+
+
+# Each server: how it starts serving a model directory on a port, and the model name its requests carry.
+SERVERS: dict[str, tuple[Callable[[Path, int, argparse.Namespace, Path], subprocess.Popen[bytes]], str]] = {
+    "flow": (start_flow, "bench"),
+    "mlx_lm.server": (start_mlx_lm, "default_model"),
+    "vllm-mlx": (start_vllm_mlx, "bench"),
+}
 
 
 def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
@@ -383,10 +403,15 @@ def markdown(result: dict[str, Any]) -> str:
         arrival = data.get("arrival", {})
         lines.append(f"| {system} | {arrival.get('idle_ttft_ms', '–')} | {arrival.get('busy_ttft_ms', '–')} | "
                      f"{arrival.get('ratio', '–')} | {data.get('peak_rss_mb', '–')} |")
-    if result.get("ratios"):
-        lines += ["", "| ratio | " + " | ".join(str(k) for k in result["ratios"]) + " |",
-                  "|---|" + "---|" * len(result["ratios"]), "| value | " +
-                  " | ".join(str(v) for v in result["ratios"].values()) + " |"]
+    others = [s for s in systems if s != "flow" and "flow" in systems]
+    if others:
+        levels = result["levels"]
+        lines += ["", "| flow / | " + " | ".join(f"@{level}" for level in levels) + " |",
+                  "|---|" + "---|" * len(levels)]
+        for label, key in (("tok/s", "ratios"), ("TTFT p50", "ttft_ratios")):
+            for other in others:
+                values = [result.get(key, {}).get(f"flow/{other} @{level}") for level in levels]
+                lines.append(f"| {label}: flow / {other} | " + " | ".join(str(v or "–") for v in values) + " |")
     return "\n".join(lines)
 
 
@@ -395,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny:bench-80m", help="tiny:PRESET or a local model directory")
     parser.add_argument("--levels", default="1,8,16,32,64", help="concurrency levels, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", help=f"any of {', '.join(SYSTEMS)}; default all (vllm-mlx where installed)")
+    parser.add_argument("--vllm-mlx", default=str(VLLM_MLX) if VLLM_MLX.is_file() else None, metavar="PATH",
+                        help="the vllm-mlx executable (in its own environment); default %(default)s")
     parser.add_argument("--strategy", default="decode_first")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=512)
@@ -418,11 +445,15 @@ def main(argv: list[str] | None = None) -> int:
 
     blas.advise()
     model_dir = resolve_model_path(args.model)
-    systems = [s for s in args.systems.split(",") if s]
+    if args.systems is None:
+        systems = [s for s in SYSTEMS if s != "vllm-mlx" or args.vllm_mlx]
+    else:
+        systems = [s for s in args.systems.split(",") if s]
     result: dict[str, Any] = {
         "model": args.model, "model_dir": str(model_dir), "max_tokens": args.max_tokens, "levels": args.levels,
         "openblas": blas.openblas_active(), "cpus": os.cpu_count(),
         "flow_config": {"strategy": args.strategy, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk},
+        "vllm_mlx": args.vllm_mlx if "vllm-mlx" in systems else None,
         "system_words": args.system_words,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "systems": {},
@@ -430,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     for system in systems:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system!r}")
+    if "vllm-mlx" in systems and not (args.vllm_mlx and os.access(args.vllm_mlx, os.X_OK)):
+        parser.error(f"system vllm-mlx needs its executable: --vllm-mlx PATH ({args.vllm_mlx or VLLM_MLX} "
+                     "is not there); install it in a venv of its own: pip install vllm-mlx")
     runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
     result["load_average_before"] = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="flow-bench-") as tmpdir:
@@ -440,27 +474,25 @@ def main(argv: list[str] | None = None) -> int:
             for system in systems:
                 port = free_port()
                 url = f"http://127.0.0.1:{port}"
-                if system == "flow":
-                    runs[system].append(bench_server(system, start_flow(model_dir, port, args, tmp), url,
-                                                     "bench", args))
-                elif system == "mlx_lm.server":
-                    runs[system].append(bench_server(system, start_mlx_lm(model_dir, port, tmp), url,
-                                                     "default_model", args))
+                if system in SERVERS:
+                    start, model = SERVERS[system]
+                    runs[system].append(bench_server(system, start(model_dir, port, args, tmp), url, model, args))
                 else:
                     runs[system].append(bench_raw(model_dir, args))
     result["load_average_after"] = os.getloadavg()
     result["rounds"] = args.rounds
     result["systems"] = {system: combine(r) for system, r in runs.items()}
     result["runs"] = runs
-    ratios: dict[str, float | None] = {}
+    # Aggregate tok/s flow / other (above 1: flow ahead), TTFT p50 flow / other (below 1: flow ahead).
     got = result["systems"]
-    for level in args.levels:
-        flow_tps = got.get("flow", {}).get("levels", {}).get(str(level), {}).get("aggregate_tps")
-        for other in ("mlx_lm.server", "raw"):
-            other_tps = got.get(other, {}).get("levels", {}).get(str(level), {}).get("aggregate_tps")
-            if flow_tps and other_tps:
-                ratios[f"flow/{other} @{level}"] = ratio(flow_tps, other_tps)
-    result["ratios"] = ratios
+    for key, figure in (("ratios", "aggregate_tps"), ("ttft_ratios", "ttft_ms_p50")):
+        result[key] = {}
+        for level in args.levels:
+            ours = got.get("flow", {}).get("levels", {}).get(str(level), {}).get(figure)
+            for other in SYSTEMS[1:]:
+                theirs = got.get(other, {}).get("levels", {}).get(str(level), {}).get(figure)
+                if ours and theirs:
+                    result[key][f"flow/{other} @{level}"] = ratio(ours, theirs)
     return report(result, args.json, markdown)
 
 

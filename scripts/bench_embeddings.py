@@ -1,9 +1,11 @@
-"""Benchmark: embeddings under concurrency — flow against direct mlx-embeddings calls.
+"""Benchmark: embeddings under concurrency — flow against vllm-mlx and direct mlx-embeddings calls.
 
     python scripts/bench_embeddings.py --model DIR_OR_tiny:PRESET [--clients 64] [--requests 32]
 
-A real ``flow serve`` (subprocess; the default graph with the embedding model added) and, in this process
-while the server idles, the baselines on the same sentences:
+A real ``flow serve`` (subprocess; the default graph with the embedding model added), where installed a
+``vllm-mlx serve --embedding-model DIR`` beside it (``--vllm-mlx PATH``, its own environment; it inherits this
+one's, ``LD_PRELOAD`` included; it needs a chat model too, which it never loads here), and, in this process
+while the servers idle, the baselines on the same sentences:
 
 * **naive**: a loop of direct ``mlx_embeddings`` calls, one input per call (what a server without batching
   does at best);
@@ -11,14 +13,15 @@ while the server idles, the baselines on the same sentences:
 * **batched, as flow runs the model**: the same, after flow's load-time changes (on the CPU, a faster GELU).
 
 The machine's speed drifts from minute to minute (on a shared 2-core VM, by up to 1.5x), so the throughput
-comparison runs in ``--rounds`` rounds, each the naive loop, then flow under the concurrent clients, then the
-batched calls; every round gives its own ratios, and the summary is their median. Both sides get the same
-statistic: one measurement per round each.
+comparison runs in ``--rounds`` rounds, each the naive loop, then flow under the concurrent clients, then
+vllm-mlx under the same clients, then the batched calls; every round gives its own ratios, and the summary is
+their median. Both sides get the same statistic: one measurement per round each.
 
 In each round, ``--clients`` concurrent clients each send ``--requests`` requests of one short sentence
 (inputs/s, p50/p95 latency). Then, ``--job-rounds`` times, one client embeds 2,048 sentences in one request,
 alone, and again while another sends one short sentence at a time, ``--short-interval`` seconds apart: its
-p50/p95 beside the job against the same client, asking at the same pace, on the idle server. The large job's
+p50/p95 beside the job against the same client, asking at the same pace, on the idle server (each server in
+turn). The large job's
 client runs in a process of its own: reading its 2,048 vectors in this process would hold the one-sentence
 client's thread.
 Real weights: ``python ../shared/tools/fetch_real_models.py DIR --models all-minilm-l6-v2``.
@@ -42,12 +45,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+VLLM_MLX = Path("/tmp/vllm-venv/bin/vllm-mlx")  # --vllm-mlx's default, where it is installed
 WORDS = ("river sea mountain cloud forest city road bridge light stone window garden winter summer "
          "letter music engine market harbour station").split()
 
@@ -107,26 +112,47 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(path: Path, data: Path, pass_seconds: float) -> tuple[subprocess.Popen[bytes], str]:
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    base: str
+    model: str  # what its requests name
+
+
+def start_server(path: Path, data: Path, pass_seconds: float) -> Server:
     graph = data / "graph.toml"
     graph.write_text(f'extends = "{ROOT / "graphs" / "demo.toml"}"\n[resources.embedder]\npath = "{path}"\n'
                      f'name = "embedder"\nembed_pass_seconds = {pass_seconds}\n'
                      '[resources.prefix_cache]\ndisk = false\n')
+    return launch("flow", [sys.executable, "-m", "flow.cli", "serve", str(graph)], "embedder", data,
+                   {**os.environ, "FLOW_DATA_DIR": str(data)})
+
+
+def start_vllm_mlx(executable: str, path: Path, data: Path) -> Server:
+    """``vllm-mlx serve`` takes a chat model whatever else it serves: the tiny one, never loaded (lazily)."""
+    from runtime.tiny import ensure_tiny_model
+
+    return launch("vllm-mlx", [executable, "serve", str(ensure_tiny_model("tiny-qwen3")), "--lazy-load-model",
+                                "--embedding-model", str(path), "--host", "127.0.0.1"], str(path), data)
+
+
+def launch(name: str, cmd: list[str], model: str, data: Path, env: dict[str, str] | None = None) -> Server:
+    """``cmd --port PORT`` in a subprocess, once its ``/health`` answers."""
     port = free_port()
-    log = (data / "serve.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "flow.cli", "serve", str(graph), "--port", str(port)],
-                            env={**os.environ, "FLOW_DATA_DIR": str(data)}, stdout=log, stderr=log)
+    log = (data / f"{name}.log").open("wb")
+    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(base + "/health", timeout=5).status_code == 200:
-                return proc, base
+                return Server(name, proc, base, model)
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
     proc.kill()
-    raise SystemExit(f"flow serve did not start; see {data / 'serve.log'}")
+    raise SystemExit(f"{name} did not start; see {data / f'{name}.log'}")
 
 
 class LeanConnection:
@@ -161,7 +187,8 @@ class LeanConnection:
             self.streams[1].close()
 
 
-def concurrent_clients(base: str, texts: list[str], clients: int, requests: int, client_kind: str) -> dict[str, float]:
+def concurrent_clients(base: str, texts: list[str], clients: int, requests: int, client_kind: str,
+                       model: str = "embedder") -> dict[str, float]:
     """``clients`` concurrent clients, each sending ``requests`` one-sentence requests one after another. The
     clients are coroutines of one event loop: they share the machine's two cores with the server, so they
     should cost as little as a client can (``client_kind`` "lean", see :class:`LeanConnection`; "httpx" for
@@ -173,7 +200,7 @@ def concurrent_clients(base: str, texts: list[str], clients: int, requests: int,
         for k in range(requests):
             text = texts[(index * requests + k) % len(texts)]
             started = time.perf_counter()
-            status, body = await post({"model": "embedder", "input": text})
+            status, body = await post({"model": model, "input": text})
             latencies.append(time.perf_counter() - started)
             failed[0] += status != 200 or b'"embedding"' not in body
 
@@ -204,23 +231,47 @@ def concurrent_clients(base: str, texts: list[str], clients: int, requests: int,
 
 
 def short_latencies(base: str, texts: list[str], stop: threading.Event, limit: int,
-                    interval: float = 0.0) -> list[float]:
+                    interval: float = 0.0, model: str = "embedder") -> list[float]:
     """One-sentence requests one after another, ``interval`` seconds apart (0: back to back)."""
     out: list[float] = []
     with httpx.Client(timeout=300) as http:
         while not stop.is_set() and len(out) < limit:
             started = time.perf_counter()
-            http.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[len(out) % len(texts)]})
+            http.post(base + "/v1/embeddings", json={"model": model, "input": texts[len(out) % len(texts)]})
             out.append(time.perf_counter() - started)
             stop.wait(interval)
     return out
 
 
-def large_job(base: str, texts: list[str]) -> tuple[int, float]:
+def large_job(base: str, texts: list[str], model: str = "embedder") -> tuple[int, float]:
     """One request embedding all ``texts`` (run in a process of its own): its status and seconds."""
     started = time.perf_counter()
-    status = httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts}, timeout=600).status_code
+    status = httpx.post(base + "/v1/embeddings", json={"model": model, "input": texts}, timeout=600).status_code
     return status, time.perf_counter() - started
+
+
+def job_test(server: Server, texts: list[str], job_rounds: int, interval: float) -> dict[str, list[float]]:
+    """The 2,048-sentence job alone and beside the one-sentence client, and that client on the idle server."""
+    # the one-sentence client on the idle server, asking as it will beside the large job: a client asking
+    # back to back finds the device's threads awake, one asking every so often may not
+    idle = short_latencies(server.base, texts, threading.Event(), 50 * job_rounds, interval, server.model)
+    alone: list[float] = []
+    beside: list[float] = []
+    during: list[float] = []
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(time.sleep, 0).result()  # the process started before the clock does
+        for _ in range(job_rounds):
+            status, seconds = pool.submit(large_job, server.base, texts, server.model).result()
+            alone.append(seconds if status == 200 else math.inf)
+            stop = threading.Event()
+            worker = threading.Thread(target=lambda: during.extend(
+                short_latencies(server.base, texts, stop, 10**6, interval, server.model)))
+            worker.start()
+            status, seconds = pool.submit(large_job, server.base, texts, server.model).result()
+            beside.append(seconds if status == 200 else math.inf)
+            stop.set()
+            worker.join()
+    return {"idle": idle, "alone": alone, "beside": beside, "during": during}
 
 
 def main() -> None:
@@ -239,51 +290,55 @@ def main() -> None:
                         help="times the 2,048-sentence job runs alone and beside the one-sentence client (more: a "
                              "steadier p95)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of naive loop / flow / batched calls, alternated; the summary is their median")
+                        help="rounds of naive loop / flow / vllm-mlx / batched calls, alternated; the summary is "
+                             "their median")
+    parser.add_argument("--vllm-mlx", default=str(VLLM_MLX) if VLLM_MLX.is_file() else "", metavar="PATH",
+                        help="the vllm-mlx executable (in its own environment), served beside flow; '' for none; "
+                             "default %(default)r")
     args = parser.parse_args()
+    if args.vllm_mlx and not os.access(args.vllm_mlx, os.X_OK):
+        parser.error(f"--vllm-mlx {args.vllm_mlx} is not an executable; install vllm-mlx in a venv of its own, "
+                     "or pass --vllm-mlx '' to leave it out")
     path = model_path(args.model)
     texts = sentences(2048)
     data = Path(tempfile.mkdtemp(prefix="flow-bench-embeddings-"))
     direct = Direct(path)
-    proc, base = start_server(path, data, args.pass_seconds)
+    servers = [start_server(path, data, args.pass_seconds)]
     rounds: list[dict[str, float]] = []
+    jobs: dict[str, dict[str, list[float]]] = {}
     try:
-        httpx.post(base + "/v1/embeddings", json={"model": "embedder", "input": texts[:64]}, timeout=300)  # warm-up
-        concurrent_clients(base, texts, args.clients, 4, args.client)  # warm-up: every connection once
+        if args.vllm_mlx:
+            servers.append(start_vllm_mlx(args.vllm_mlx, path, data))
+        for server in servers:
+            httpx.post(server.base + "/v1/embeddings", json={"model": server.model, "input": texts[:64]},
+                       timeout=300)  # warm-up
+            concurrent_clients(server.base, texts, args.clients, 4, args.client, server.model)  # every connection once
         count = min(len(texts), 1024)
         for number in range(1, args.rounds + 1):
             naive = direct.rate(texts, 1, 256)
-            load = concurrent_clients(base, texts, args.clients, args.requests, args.client)
+            loads = {server.name: concurrent_clients(server.base, texts, args.clients, args.requests, args.client,
+                                                     server.model) for server in servers}
+            load = loads["flow"]
             batched = direct.rate(texts, 64, count)
             batched_flow = direct.rate(texts, 64, count, as_flow=True) if direct.swapped else batched
-            rounds.append({**load, "naive": naive, "batched": batched, "batched_flow": batched_flow})
+            rounds.append({**load, "naive": naive, "batched": batched, "batched_flow": batched_flow,
+                           **{f"{name} {key}": value for name, figures in loads.items() if name != "flow"
+                              for key, value in figures.items()}})
+            others = "".join(f"; {name} {figures['inputs_per_s']:.1f} (p50 {figures['p50_ms']:.0f} ms, p95 "
+                             f"{figures['p95_ms']:.0f} ms, failed {figures['failed']}) -> "
+                             f"{load['inputs_per_s'] / figures['inputs_per_s']:.2f}x"
+                             for name, figures in loads.items() if name != "flow")
             print(f"round {number}: flow {load['inputs_per_s']:.1f} inputs/s (p50 {load['p50_ms']:.0f} ms, p95 "
                   f"{load['p95_ms']:.0f} ms, failed {load['failed']}); naive loop {naive:.1f} -> "
                   f"{load['inputs_per_s'] / naive:.2f}x; batched 64 {batched:.1f} -> "
                   f"{load['inputs_per_s'] / batched:.2f}x; as flow runs the model {batched_flow:.1f} -> "
-                  f"{load['inputs_per_s'] / batched_flow:.2f}x", flush=True)
-        # the one-sentence client on the idle server, asking as it will beside the large job: a client asking
-        # back to back finds the device's threads awake, one asking every so often may not
-        idle = short_latencies(base, texts, threading.Event(), 50 * args.job_rounds, args.short_interval)
-        alone: list[float] = []
-        beside: list[float] = []
-        during: list[float] = []
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pool.submit(time.sleep, 0).result()  # the process started before the clock does
-            for _ in range(args.job_rounds):
-                status, seconds = pool.submit(large_job, base, texts).result()
-                alone.append(seconds if status == 200 else math.inf)
-                stop = threading.Event()
-                worker = threading.Thread(target=lambda: during.extend(
-                    short_latencies(base, texts, stop, 10**6, args.short_interval)))
-                worker.start()
-                status, seconds = pool.submit(large_job, base, texts).result()
-                beside.append(seconds if status == 200 else math.inf)
-                stop.set()
-                worker.join()
+                  f"{load['inputs_per_s'] / batched_flow:.2f}x{others}", flush=True)
+        for server in servers:
+            jobs[server.name] = job_test(server, texts, args.job_rounds, args.short_interval)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        for server in servers:
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(60)
 
     def median(key: str) -> float:
         return float(np.median([r[key] for r in rounds]))
@@ -296,18 +351,25 @@ def main() -> None:
           f"clients); embed_pass_seconds {args.pass_seconds}; medians of {len(rounds)} rounds")
     print(f"  flow        {median('inputs_per_s'):8.1f} inputs/s  p50 {median('p50_ms'):.1f} ms  "
           f"p95 {median('p95_ms'):.1f} ms  failed {sum(r['failed'] for r in rounds):.0f}")
+    for server in servers[1:]:
+        name = server.name
+        print(f"  {name:<11} {median(f'{name} inputs_per_s'):8.1f} inputs/s  p50 {median(f'{name} p50_ms'):.1f} ms  "
+              f"p95 {median(f'{name} p95_ms'):.1f} ms  failed {sum(r[f'{name} failed'] for r in rounds):.0f}")
     for key, label in (("naive", "naive loop "), ("batched", "batched 64 "),
-                       ("batched_flow", "batched 64, the model as flow runs it")):
+                       ("batched_flow", "batched 64, the model as flow runs it"),
+                       *((f"{s.name} inputs_per_s", s.name) for s in servers[1:])):
         per_round = ", ".join(f"{ratio:.2f}" for ratio in ratios(key))
         print(f"  {label} {median(key):8.1f} inputs/s   -> flow / that, per round: {per_round}; "
               f"median {float(np.median(ratios(key))):.2f}")
-    print(f"one request of 2,048 sentences alone, {args.job_rounds} times: "
-          f"{', '.join(f'{2048 / t:.1f}' for t in alone)} inputs/s")
-    print(f"the same beside a one-sentence client: {', '.join(f'{2048 / t:.1f}' for t in beside)} inputs/s")
-    print(f"  the one-sentence client ({args.short_interval:g} s between requests): {len(during)} requests beside "
-          f"the job, p50 {percentile(during, 50):.1f} ms, p95 {percentile(during, 95):.1f} ms; {len(idle)} on the idle "
-          f"server, p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms -> p95 ratio "
-          f"{percentile(during, 95) / percentile(idle, 95):.2f}")
+    for name, job in jobs.items():
+        alone, beside, during, idle = job["alone"], job["beside"], job["during"], job["idle"]
+        print(f"{name}: one request of 2,048 sentences alone, {args.job_rounds} times: "
+              f"{', '.join(f'{2048 / t:.1f}' for t in alone)} inputs/s")
+        print(f"  the same beside a one-sentence client: {', '.join(f'{2048 / t:.1f}' for t in beside)} inputs/s")
+        print(f"  the one-sentence client ({args.short_interval:g} s between requests): {len(during)} requests "
+              f"beside the job, p50 {percentile(during, 50):.1f} ms, p95 {percentile(during, 95):.1f} ms; "
+              f"{len(idle)} on the idle server, p50 {percentile(idle, 50):.1f} ms, p95 {percentile(idle, 95):.1f} ms "
+              f"-> p95 ratio {percentile(during, 95) / percentile(idle, 95):.2f}")
 
 if __name__ == "__main__":
     main()
