@@ -47,6 +47,8 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +139,7 @@ class HostBlock:
 INDEX = "index.sqlite"
 BLOCK_SUFFIX = ".safetensors"
 ERROR_LOG_SECONDS = 60.0  # a failing disk logs once a minute, not once per block
+READ_THREADS = min(4, os.cpu_count() or 1)  # blocks read and checked at once by read_many
 
 
 class DiskTier:
@@ -159,6 +162,7 @@ class DiskTier:
         self._last_error_log = 0.0
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
+        self._readers: ThreadPoolExecutor | None = None  # read_many's threads, started at its first use
         private_dir(directory, ours=own_directory)
         private_dir(directory / "blocks", ours=True)
         try:
@@ -224,6 +228,17 @@ class DiskTier:
             self.read_hits += 1
         return HostBlock(arrays, entry.dtype)
 
+    def read_many(self, keys: Sequence[bytes]) -> list[HostBlock | None]:
+        """:meth:`read` of several blocks at once, on a few threads: a hit from this tier reads hundreds of blocks
+        (a restart's first turn), and the file reads and SHA-256 checks let other threads run meanwhile."""
+        if len(keys) < 2:
+            return [self.read(key) for key in keys]
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flow-kv-read")
+            readers = self._readers
+        return list(readers.map(self.read, keys))
+
     def delete(self, key: bytes) -> None:
         """Delete a block (one the cache no longer wants: a snapshot superseded by a deeper one)."""
         with self._lock:
@@ -252,6 +267,10 @@ class DiskTier:
         self.flush()
         self._queue.put(None)
         self._writer.join(10)
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -95,6 +95,7 @@ device thread. Metadata is guarded by one lock.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -519,19 +520,27 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(tokens) - 1
-        for key in keys:
+        i = 0
+        while i < len(keys):
             with self._lock:
-                block = self._blocks.get(key)
+                block = self._blocks.get(keys[i])
                 if block is not None:
                     block.refs += 1
                     hit.blocks.append(block)
+                    i += 1
                     continue
-            host = self.disk.read(key) if self.disk is not None else None  # warm: on disk (outside the lock)
-            if host is None:
-                break
+            # Warm: the run of blocks from here that the disk holds, read at once (outside the lock).
+            run = self._on_disk(keys, i)
+            hosts = self.disk.read_many(run) if self.disk is not None else []
+            found = list(itertools.takewhile(lambda host: host is not None, hosts))
             with self._lock:
-                hit.blocks.append(self._read_back(key, hit.blocks[-1].key if hit.blocks else None, namespace, host,
-                                                  expires, b))
+                for key, host in zip(run, found):
+                    assert host is not None
+                    hit.blocks.append(self._read_back(key, hit.blocks[-1].key if hit.blocks else None, namespace,
+                                                      host, expires, b))
+            if not run or len(found) < len(run):
+                break
+            i += len(run)
         depth = usable_depth(hit.blocks, windows, b)
         if depth < len(hit.blocks):
             unused = PrefixHit(namespace, windows, hit.blocks[depth:], b)
@@ -647,6 +656,20 @@ class PrefixCache:
         with self._lock:
             self._release_locked(PrefixHit(namespace, hit.windows, hit.blocks, b))
         hit.blocks = []
+
+    def _on_disk(self, keys: list[bytes], start: int) -> list[bytes]:
+        """``keys`` from ``start`` on while memory lacks them and the disk tier holds them."""
+        run: list[bytes] = []
+        if self.disk is None:
+            return run
+        for key in keys[start:]:
+            with self._lock:
+                if key in self._blocks:
+                    break
+            if not self.disk.has(key):
+                break
+            run.append(key)
+        return run
 
     def _disk_read(self, key: bytes) -> HostBlock | None:
         """A block or snapshot from the disk tier, if it holds a sound one."""

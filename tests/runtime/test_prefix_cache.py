@@ -341,6 +341,30 @@ def test_a_block_deleted_while_its_write_is_queued_stays_deleted(tmp_path: Path)
     tier.close()
 
 
+def test_blocks_read_at_once_are_each_checked(tmp_path: Path) -> None:
+    """read_many (a hit's run of blocks from disk, on a few threads) gives what read gives for each block, and
+    None for a damaged one, never its bytes."""
+    from runtime.kv_disk import HostBlock
+
+    tier = DiskTier(tmp_path, 1 << 30)
+    keys = [bytes([i]) * 20 for i in range(12)]
+    for i, key in enumerate(keys):
+        tier.write(key, None, b"n" * 16, HostBlock((np.full((1, 2, 4, 4), i, np.float32), None), "float32"),
+                   time.time() + 60)
+    tier.flush()
+    damaged = DiskTier.path_in(tmp_path, keys[5])
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    got = tier.read_many(keys)
+    assert got[5] is None and tier.stats()["corrupt"] == 1
+    for i, host in enumerate(got):
+        if i != 5:
+            assert host is not None and host.arrays[1] is None and (host.arrays[0] == i).all()
+    assert tier.read_many(keys[:1])[0] is not None and tier.read_many([]) == []
+    tier.close()
+
+
 async def test_expired_blocks_are_deleted(qwen3: Loaded, rigs: list[Rig], tmp_path: Path) -> None:
     cache = disk_cache(tmp_path)
     r = rig(rigs, qwen3, cache)
