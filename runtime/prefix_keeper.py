@@ -134,7 +134,7 @@ class PrefixKeeper:
             self.cache.store(seq.namespace, tokens if tokens is not None else seq.keyed[: seq.prefilled], slicer,
                              tail=ends, windows=self.windows, ttl=seq.policy.ttl_seconds,
                              session_id=seq.policy.session_id if last else None, keys=seq.keys, state=state,
-                             lasting=not ends and seq.prefilled in self.turn_points(seq))
+                             lasting=self._lasting(seq, tokens))
             b = self.cache.config.block_tokens
             if rolling and seq.prefilled % b == 0 and len(seq.keys.keys) >= seq.prefilled // b > 0:
                 if seq.rolling_state is not None:
@@ -142,6 +142,15 @@ class PrefixKeeper:
                 seq.rolling_state = state_key(seq.keys.keys[seq.prefilled // b - 1])
         except Exception:  # the cache is an optimisation: a failure there must not fail the sequence
             log.exception("prefix cache: could not store a sequence's blocks")
+
+    def _lasting(self, seq: Sequence, tokens: list[int] | None) -> bool:
+        """Whether the snapshot stored now goes to disk even inside a block: at a turn point, and at the prompt's
+        end when the conversation's next turn repeats all of the prompt (its template's generation prompt too)."""
+        if tokens is not None:
+            return False
+        if seq.prefilled >= len(seq.prompt) - 1:
+            return seq.message_ends.last is not None and seq.message_ends.last >= len(seq.prompt) - 1
+        return seq.prefilled in self.turn_points(seq)
 
     def keep_finished(self, batch: DecodeBatch, rows: list[int]) -> None:
         """With ``cache_mode = "full"``: the finished rows' prompts and answers, read from their batch rows

@@ -85,13 +85,23 @@ def render_prompt(tokenizer: Any, request: ChatRequest, family: Family, vision: 
 def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, ids: tuple[int, ...],
                vision: bool = False) -> int | None:
     """Where ``ids`` (``text`` tokenized, or a vision model's processor's expansion of it: image tokens come before
-    the generation prompt, so its tail is the same) end their messages and begin the template's generation prompt,
-    or None; ``vision``: rendered as for a model that reads images.
+    the generation prompt, so its tail is the same) end their messages and begin the template's generation prompt
+    — ``len(ids)`` when the conversation's next turn repeats the generation prompt too (the prompt's end is then
+    where it goes on) — or None; ``vision``: rendered as for a model that reads images.
 
     The generation prompt (with this request's template switches, such as thinking) is read off a one-message
-    conversation rendered with and without it: two small renders, not a second one of the whole conversation."""
-    probe = replace(request, messages=(Message(role="user", content="?"),))
+    conversation rendered with and without it, and the next turn's rendering off that message answered and asked
+    again: small renders, not a second one of the whole conversation."""
+    asked = Message(role="user", content="?")
+    probe = replace(request, messages=(asked,))
     opened = render_prompt(tokenizer, probe, family, vision=vision)
+    answered = render_prompt(tokenizer, replace(request, messages=(asked, Message(role="assistant", content="Sure."),
+                                                                   asked)),
+                             family, vision=vision, generation_prompt=False)
+    if answered.startswith(opened):
+        head = tokenizer.encode(opened, add_special_tokens=False)
+        if tokenizer.encode(answered, add_special_tokens=False)[: len(head)] == head:
+            return len(ids)
     plain = render_prompt(tokenizer, probe, family, vision=vision, generation_prompt=False)
     suffix = opened[len(plain):] if opened.startswith(plain) else ""
     if not suffix or not text.endswith(suffix):
