@@ -110,4 +110,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flow.cli.main import end_process
+
+    end_process(main())  # its embedded server's threads ran MLX: no interpreter teardown (it could abort, exit 134)

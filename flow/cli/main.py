@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from flow.builtins import compile_file, compile_tables
 from flow.catalog.bundled import resolve_graph_path
@@ -600,6 +600,12 @@ def run() -> None:
             print(exc.code, file=sys.stderr)
     except KeyboardInterrupt:
         code = 130
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """End the process with ``code`` once logs and output are flushed, skipping the interpreter's teardown (see
+    :func:`run`; scripts that ran MLX in threads, an embedded server's benchmarks, end the same way)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
