@@ -823,11 +823,13 @@ class PrefixCache:
                     known.expires = max(known.expires, expires)
             if known is None:
                 arrays = [None if a is None else mx.contiguous(a) for a in slicer(start, len(tokens))]
-                lasting_tail = persist and lasting and state is not None and not (self.disk and self.disk.has(key))
+                on_disk = self.disk is not None and self.disk.has(key)
+                lasting_tail = persist and lasting and state is not None and not on_disk
                 added.append(Block(key, parent, namespace, _nbytes(arrays), expires, lasting_tail, len(tokens) - start,
                                    arrays))
         if state is not None and position is not None and recurrent(windows):
-            snapshot = self._snapshot(namespace, position, state, expires, persist and (lasting or start == len(tokens)),
+            lasting_state = persist and (lasting or start == len(tokens))
+            snapshot = self._snapshot(namespace, position, state, expires, lasting_state,
                                       (parent or namespace, len(tokens) - start) if start < len(tokens) else None)
             if snapshot is not None:
                 added.append(snapshot)
