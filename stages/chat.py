@@ -44,6 +44,7 @@ from protocols.parsers import REASONING_PARSERS, StreamParser, make_response_par
 from protocols.stops import StopMatcher
 from stages.images import DecodedImages, ImagePolicy, PixelBudget, load_images
 from stages.model_stage import ModelStage
+from stages.prompt_tokens import PROMPT_TOKENS
 from stages.templating import template_inputs
 
 if TYPE_CHECKING:
@@ -316,7 +317,7 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
                                  vision=loaded.processor is not None)
             kept = images[len(images) - sum(len(m.images) for m in messages):]  # left-out turns take theirs
             if not kept:
-                return text, tuple(tokenizer.encode(text, add_special_tokens=False)), None
+                return text, PROMPT_TOKENS.encode(tokenizer, text), None
             from runtime.vision import prompt_inputs  # mlx-vlm: once a vision model serves
 
             ids, prompt_images = prompt_inputs(loaded.processor, loaded.config.get("model_type", ""), text,
