@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ MIN_REUSE = 256  # characters: below this, tokenizing anew costs less than looki
 @dataclass(frozen=True)
 class _Tokenized:
     text: str
-    ids: tuple[int, ...]
+    ids: array[int]  # 4 bytes a token, not a tuple's 36: a kept 60K-token prompt is 240 KB
     cuts: tuple[tuple[int, int], ...]  # (character offset, token index) of each special token, in order
 
 
@@ -62,10 +63,12 @@ class PromptTokens:
             base, cut = self._best_cut(state, text)
         if base is None:
             ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            cuts = _cuts(text, ids, state.specials)
             self.tokenized_chars += len(text)
         else:
             offset, index = cut
-            ids = base.ids[:index] + tuple(tokenizer.encode(text[offset:], add_special_tokens=False))
+            rest = tuple(tokenizer.encode(text[offset:], add_special_tokens=False))
+            ids = tuple(base.ids[:index]) + rest
             self.tokenized_chars += len(text) - offset
             if state.verified < VERIFIED:
                 whole = tuple(tokenizer.encode(text, add_special_tokens=False))
@@ -76,10 +79,12 @@ class PromptTokens:
                     return whole
                 state.verified += 1
             self.reused_tokens += index
-        cuts = _cuts(text, ids, state.specials)
+            later = _cuts(text[offset:], rest, state.specials)  # the shared part's are known
+            cuts = None if later is None else (*(c for c in base.cuts if c[1] < index),
+                                               *((o + offset, i + index) for o, i in later))
         if cuts is not None:
             with self._lock:
-                state.recent[text] = _Tokenized(text, ids, cuts)
+                state.recent[text] = _Tokenized(text, array("I", ids), cuts)
                 state.recent.move_to_end(text)
                 while len(state.recent) > KEPT:
                     state.recent.popitem(last=False)
