@@ -98,9 +98,12 @@ def test_idle_models_are_unloaded_and_come_back(tiny_qwen3: Path) -> None:
 
 
 def _long_stream(server: RunningServer, model: str, tokens: int) -> tuple[int, float]:
-    """Stream ``tokens`` tokens from ``model`` (end-of-turn suppressed); (tokens received, finish time)."""
-    tokenizer = next(m for m in server.server.models if m.name == model).require().tokenizer
-    bias = {str(t): -100 for t in tokenizer.eos_token_ids}
+    """Stream ``tokens`` tokens from ``model`` (its end tokens and its family's stop tokens suppressed: a random
+    model samples ChatML's ``<|im_start|>`` now and then); (tokens received, finish time)."""
+    resource = next(m for m in server.server.models if m.name == model)
+    tokenizer = resource.require().tokenizer
+    stops = {*tokenizer.eos_token_ids, *(tokenizer.convert_tokens_to_ids(t) for t in resource.family.stop_tokens)}
+    bias = {str(t): -100 for t in stops if t is not None}
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     received = 0
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a story."}],
