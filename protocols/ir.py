@@ -283,9 +283,8 @@ class MessageEnds:
     """Where a rendered chat prompt's messages end, in its tokens (None: the template does not say, or nobody
     asked): ``system`` after the leading system (and developer) messages, ``last`` after the last message, where
     the template's generation prompt begins (the prompt's length when the next turn repeats that too). A hybrid
-    model keeps its recurrent state at both: another
-    conversation under the same system prompt repeats the prompt up to the first, this conversation's next turn
-    up to the second."""
+    model keeps its recurrent state at both: another conversation under the same system prompt repeats the prompt
+    up to the first, this conversation's next turn up to the second."""
 
     system: int | None = None
     last: int | None = None

@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -99,9 +97,9 @@ def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, 
     answered = render_prompt(tokenizer, replace(request, messages=(asked, Message(role="assistant", content="Sure."),
                                                                    asked)),
                              family, vision=vision, generation_prompt=False)
-    if answered.startswith(opened):
-        head = tokenizer.encode(opened, add_special_tokens=False)
-        if tokenizer.encode(answered, add_special_tokens=False)[: len(head)] == head:
+    if answered.startswith(opened):  # the same probes each request (tools and all): tokenized once
+        head = PROMPT_TOKENS.encode(tokenizer, opened)
+        if PROMPT_TOKENS.encode(tokenizer, answered)[: len(head)] == head:
             return len(ids)
     plain = render_prompt(tokenizer, probe, family, vision=vision, generation_prompt=False)
     suffix = opened[len(plain):] if opened.startswith(plain) else ""
@@ -111,9 +109,6 @@ def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, 
     return len(ids) - len(tail) if tail and len(tail) < len(ids) and ids[-len(tail):] == tail else None
 
 
-# Leading system messages as tokenized before (per tokenizer): an agent sends the same system prompt every turn.
-_SYSTEM_IDS: weakref.WeakKeyDictionary[Any, OrderedDict[str, tuple[int, ...]]] = weakref.WeakKeyDictionary()
-SYSTEM_IDS_KEPT = 32
 PROBE = "\u2063probe\u2063"  # a user message no real one begins with (invisible separators around a word)
 
 
@@ -125,7 +120,8 @@ def system_end(tokenizer: Any, request: ChatRequest, family: Family, text: str, 
 
     Read off the leading messages rendered with a probe user message after them (templates that want a user
     message, or fold the system prompt into the first user turn, render it all the same): the text before the
-    probe, tokenized once per system prompt, less its last token (which the real message may merge with)."""
+    probe, less its last token (which the real message may merge with); its ids mostly the prompt's own, reused
+    (:mod:`stages.prompt_tokens`)."""
     leading, turns = turn_groups(request.messages)
     if not leading or not turns:
         return None
@@ -137,17 +133,7 @@ def system_end(tokenizer: Any, request: ChatRequest, family: Family, text: str, 
     head_text = probed[: probed.find(PROBE)] if PROBE in probed else ""
     if not head_text or not text.startswith(head_text):
         return None
-    try:
-        known = _SYSTEM_IDS.setdefault(tokenizer, OrderedDict())
-    except TypeError:  # not weakly referable: tokenized each time
-        known = OrderedDict()
-    head = known.get(head_text)
-    if head is None:
-        head = known[head_text] = tuple(tokenizer.encode(head_text, add_special_tokens=False))[:-1]
-        if len(known) > SYSTEM_IDS_KEPT:
-            known.popitem(last=False)
-    else:
-        known.move_to_end(head_text)
+    head = PROMPT_TOKENS.encode(tokenizer, head_text)[:-1]
     return len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else None
 
 

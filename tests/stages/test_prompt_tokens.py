@@ -46,6 +46,8 @@ def test_each_turn_reuses_the_last_and_equals_tokenizing_whole(preset: str) -> N
     state: Any = tokens._states[tokenizer]
     assert not state.off and state.verified == VERIFIED
     assert tokens.tokenized_chars < len(text) * 3  # not every turn tokenized whole (that is ~len(text) * 8 / 2)
+    before = tokens.tokenized_chars
+    assert tokens.encode(tokenizer, text) == whole and tokens.tokenized_chars == before  # asked again: kept
 
 
 def test_a_tokenizer_that_would_tokenize_otherwise_is_left_whole() -> None:
