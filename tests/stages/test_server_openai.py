@@ -54,6 +54,9 @@ def test_llama_greedy_matches_mlx_lm_generate(llama_server: RunningServer) -> No
 
 def test_stream_wire_format_and_usage(qwen3_server: RunningServer) -> None:
     c = client(qwen3_server)
+    # asked twice: the prefix cache then holds the prompt for both answers compared below (their usage reports
+    # the same cached tokens, whichever test of the module ran before)
+    c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
     full = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
     text, chunks = stream_text(c, messages=MESSAGES, max_tokens=24, temperature=0,
                                stream_options={"include_usage": True})
