@@ -97,7 +97,8 @@ from runtime.replication import (
     StepMessage,
 )
 from runtime.sampling import SequenceSampler
-from runtime.sequence import DecodeBatch, Rows, Sequence, SequenceHandle, without
+from runtime.handle import SequenceHandle
+from runtime.sequence import DecodeBatch, Rows, Sequence, without
 from runtime.speculative_step import Speculator
 from runtime.step_phases import Phase, phases
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import trio
 
 from protocols.ir import TokenChunk
-from runtime.sequence import Sequence, SequenceHandle
+from runtime.handle import SequenceHandle
+from runtime.sequence import Sequence
 
 
 class Outbox:

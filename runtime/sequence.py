@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -28,58 +27,11 @@ from runtime import quantized_kv
 from runtime.adapters import Adapter
 from runtime.cache_surgery import merge_caches
 from runtime.cross_attention import CrossStates
+from runtime.handle import SequenceHandle
 from runtime.image_spans import key_tokens
 from runtime.prefix_cache import BlockKeys, PrefixHit
 from runtime.sampling import LogprobReport, SequenceSampler
 from runtime.speculative import DraftState
-
-
-class SequenceHandle:
-    """The trio side of one sequence: its chunks, and a way to cancel it."""
-
-    def __init__(self, seq_id: int, send: trio.MemorySendChannel[TokenChunk],
-                 receive: trio.MemoryReceiveChannel[TokenChunk], on_cancel: Callable[[int], None]) -> None:
-        self.id = seq_id
-        self.chunks = receive
-        self._send = send
-        self._on_cancel = on_cancel
-        self.error: BaseException | None = None
-        self.finished = False
-        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
-        self.cache_write_tokens = 0  # prompt tokens this sequence adds to the prefix cache's (full) blocks
-
-    def cancel(self) -> None:
-        """Ask the engine to drop this sequence at its next step (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._on_cancel(self.id)
-
-    def end(self, error: BaseException | None = None) -> None:
-        """Close the stream (trio side): finished, or failed with ``error``."""
-        if error is not None:
-            self.error = error
-        self.finished = True
-        self._send.close()
-
-    def put(self, chunk: TokenChunk | None) -> None:
-        """Trio side: one chunk of this sequence (None: it failed; its ``error`` says why)."""
-        if chunk is None:
-            self.end()
-            return
-        try:
-            self._send.send_nowait(chunk)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.cancel()  # the reader went away: drop the sequence
-            return
-        if chunk.finish_reason is not None:
-            self.end()
-
-    async def __aenter__(self) -> SequenceHandle:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.cancel()
-        self.chunks.close()
 
 
 @dataclass(frozen=True)

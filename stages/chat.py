@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from pydantic import Field
 
 from flow.catalog.families import Family, template_text
-from flow.graph.stage import EachItem, Outbox, StageConfig, Step
+from flow.graph.stage import EachItem, NotNow, Outbox, StageConfig, Step
 from flow.resources.model import ModelResource
 from protocols.errors import ApiError
 from protocols.images import DecodedImage
@@ -417,12 +417,25 @@ class _Processing(Step[Generation, StreamEvent]):
                 return True
             await self._empty(request, out)
             return False
-        choice = self.choices[item.choice]
-        for event in choice.feed(item):
+        events = self._chunk_events(item)
+        for event in events:
             await out.send(event)
+        return self.running > 0
+
+    def feed_now(self, item: Generation, out: Outbox[StreamEvent]) -> bool:
+        request = self.request
+        if request is None or request.load_only or not isinstance(item, TokenChunk):
+            raise NotNow  # the header, or a load-only answer: fed by the task
+        for event in self._chunk_events(item):
+            out.send_now(event)
+        return self.running > 0
+
+    def _chunk_events(self, chunk: TokenChunk) -> list[StreamEvent]:
+        choice = self.choices[chunk.choice]
+        events = choice.feed(chunk)
         if choice.done:
             self.running -= 1
-        return self.running > 0
+        return events
 
     async def _start(self, header: Generation, out: Outbox[StreamEvent]) -> bool:
         if not isinstance(header, GenerationStarted):

@@ -34,6 +34,7 @@ from pydantic import Field
 
 from flow.graph.stage import Outbox, Step
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from runtime.handle import SequenceHandle
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
 from stages.rows import EachPrompt, forward_rows
@@ -41,33 +42,24 @@ from stages.rows import EachPrompt, forward_rows
 SCRIPTS_KEPT = 256
 
 
-class EchoRow:
-    """One echoed sequence: its script, and the channel its chunks go to (an engine's sequence handle)."""
+class EchoRow(SequenceHandle):
+    """One echoed sequence: its script, and the engine's handle for its chunks (the same hand-over)."""
 
     def __init__(self, script: Sequence[int], max_tokens: int, stop_ids: frozenset[int]) -> None:
-        self.send, self.chunks = trio.open_memory_channel[TokenChunk](math.inf)
+        send, chunks = trio.open_memory_channel[TokenChunk](math.inf)
+        super().__init__(0, send, chunks, on_cancel=lambda _id: None)
         self.script = script
         self.max_tokens = max_tokens
         self.stop_ids = stop_ids
         self.generated = 0
-        self.error: BaseException | None = None
-        self.finished = False
-
-    def cancel(self) -> None:
-        """Leave the device at its next step (idempotent)."""
-        self.finished = True
 
     def next_chunk(self) -> TokenChunk:
-        """This step's chunk; marks the row finished with its last one."""
+        """This step's chunk; the last one carries its finish reason."""
         token = self.script[self.generated] if self.generated < len(self.script) else None
         if token is None or token in self.stop_ids:
-            self.finished = True
             return TokenChunk((), "stop")
         self.generated += 1
-        if self.generated >= self.max_tokens:
-            self.finished = True
-            return TokenChunk((token,), "length")
-        return TokenChunk((token,))
+        return TokenChunk((token,), "length" if self.generated >= self.max_tokens else None)
 
 
 class EchoDevice:
@@ -94,17 +86,11 @@ class EchoDevice:
         self.steps += 1
         alive = []
         for row in self.rows:
-            if row.finished:
-                row.send.close()
+            if row.finished:  # cancelled
+                row.end()
                 continue
-            chunk = row.next_chunk()
-            try:
-                row.send.send_nowait(chunk)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                row.cancel()  # its reader went away
-            if row.finished:
-                row.send.close()
-            else:
+            row.put(row.next_chunk())  # a finish closes its channel; a reader gone cancels it
+            if not row.finished:
                 alive.append(row)
         self.rows = alive
 

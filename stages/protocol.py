@@ -21,6 +21,7 @@ from flow.graph.stage import (
     EachItem,
     EntryStage,
     ExitStage,
+    NotNow,
     Outbox,
     StageConfig,
     Step,
@@ -245,21 +246,47 @@ class _Formatting(Step[StreamEvent, WireFrame]):
                                          keepalive=b"".join(opened.keepalive()),
                                          keepalive_seconds=stage.config.keepalive_seconds))  # type: ignore[attr-defined]
             return True
-        encoder = self.encoder
-        if encoder is None:
+        result = self._fold(event)
+        if result is not None and self.keeps_result:
+            await stage.finished(result, stage.codec.encode_final(result))
+        frame = self._frame(event)
+        if frame is not None:
+            await out.send(frame)
+        return True
+
+    def feed_now(self, event: StreamEvent, out: Outbox[WireFrame]) -> bool:
+        if not self.started or (self.keeps_result and self.encoder is not None
+                                and isinstance(event, ResponseFinished)):
+            raise NotNow  # the header, or the end of a streamed result the stage keeps (``finished`` awaits)
+        self._fold(event)
+        frame = self._frame(event)
+        if frame is not None:
+            out.send_now(frame)
+        return True
+
+    def _fold(self, event: StreamEvent) -> FinalResult | None:
+        """Fold ``event`` into the result as far as it is needed; the whole result once the last choice ends
+        (a stream's), else ``None``."""
+        builder = self.builder
+        if self.encoder is None:
             builder.add(event)
-            return True  # one JSON body, at the end
+            return None  # one JSON body, at the end
         if self.keeps_result or isinstance(event, ResponseFinished):
             builder.add(event)
         if isinstance(event, ResponseFinished) and builder.finished is not None:  # the last choice's
             result = builder.result()
             note_request(completion_tokens=result.usage.completion_tokens)
-            if self.keeps_result:
-                await stage.finished(result, stage.codec.encode_final(result))
-        frames = encoder.encode(event)
-        if frames:
-            await out.send(WireFrame(frames[0] if len(frames) == 1 else b"".join(frames)))
-        return True
+            return result
+        return None
+
+    def _frame(self, event: StreamEvent) -> WireFrame | None:
+        """A stream's frame for ``event`` (some events have none)."""
+        if self.encoder is None:
+            return None
+        frames = self.encoder.encode(event)
+        if not frames:
+            return None
+        return WireFrame(frames[0] if len(frames) == 1 else b"".join(frames))
 
     async def end(self, out: Outbox[WireFrame]) -> None:
         if not self.started:

@@ -5,10 +5,19 @@ engine fills every row's channel in one crossing per step. Here each row's chunk
 choice and sent downstream, those already waiting folded into one item (:func:`merge_pending`). However the
 forwarding ends — every row finished, downstream stopped reading, the client gone — every row is cancelled,
 so the engine drops it at its next step.
+
+**A token without a task switch.** Waking a request's task for each token, and the awaits between its
+stages, cost more than the stages' own work. So while a one-row request's task waits on an empty channel it
+offers the row a :class:`Lane`: the engine's crossing then runs that row's stages for its token right there,
+synchronously (``Outbox.send_now``, each inline step's ``feed_now``, the exit's socket write), for every row
+in one pass. Anything that must await — a step that needs its task, a socket that is full, a failure, the
+stages wanting no more — is kept in order on its edge, and the lane hands the row back: the task wakes
+(:data:`WAKE`), finishes that work (``Outbox.drain``) and offers the lane again once the chain keeps up.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -18,6 +27,7 @@ import trio
 from flow.graph.stage import Outbox, Step
 from protocols.errors import ApiError
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
+from runtime.handle import Taker
 
 
 class EachPrompt(Step[PreparedPrompt, Generation]):
@@ -32,7 +42,9 @@ class EachPrompt(Step[PreparedPrompt, Generation]):
 
 
 class Row(Protocol):
-    """What an engine hands back for one submitted row (``runtime.engine.SequenceHandle`` is one)."""
+    """What an engine hands back for one submitted row (``runtime.sequence.SequenceHandle`` is one)."""
+
+    taker: Taker | None
 
     @property
     def chunks(self) -> trio.MemoryReceiveChannel[TokenChunk]: ...
@@ -79,8 +91,8 @@ async def forward_rows(started: GenerationStarted, rows: Sequence[Row], outbox: 
             await outbox.send(started)
         except trio.BrokenResourceError:
             return False
-        if len(rows) == 1:  # one choice, the common case: no task of its own
-            if not await _forward(rows[0], 0, outbox):
+        if len(rows) == 1:  # one choice, the common case: no task of its own, and its tokens in the step's pass
+            if not await _forward_one(rows[0], outbox):
                 return False
         else:
             stopped: list[bool] = []
@@ -111,6 +123,68 @@ async def _forward(row: Row, choice: int, outbox: Outbox[Generation]) -> bool:
         async for chunk in row.chunks:
             merged = merge_pending(chunk, row.chunks)
             await outbox.send(replace(merged, choice=choice) if choice else merged)
+    except trio.BrokenResourceError:
+        return False
+    return True
+
+
+# Put in a row's channel by its lane: the task has work to finish (see the module's text).
+WAKE = TokenChunk(())
+
+
+class Lane:
+    """A one-row request's stages, run in the engine's crossing for each of its tokens (see the module's text).
+
+    It runs in the request's context (the per-request notes and callbacks its stages use), outside its task."""
+
+    def __init__(self, outbox: Outbox[Generation]) -> None:
+        self.outbox = outbox
+        self.context = contextvars.copy_context()
+        self.failure: BaseException | None = None
+        self.stopped = False  # downstream took no more
+
+    def take(self, chunk: TokenChunk) -> TokenChunk | None:
+        outbox = self.outbox
+        if not outbox.ready():
+            return chunk  # the task's, as before the lane was offered
+        try:
+            self.context.run(outbox.send_now, chunk)
+        except trio.BrokenResourceError:
+            self.stopped = True
+            return WAKE
+        except BaseException as exc:  # raised in the request's task, as if its own send had
+            self.failure = exc
+            return WAKE
+        return None if outbox.ready() else WAKE
+
+
+async def _forward_one(row: Row, outbox: Outbox[Generation]) -> bool:
+    """The one row's chunks; ``False`` when downstream stopped reading. While the task waits, the row's
+    tokens go through its lane (when the stages take them synchronously)."""
+    lane = Lane(outbox)
+    chunks = row.chunks
+    try:
+        while True:
+            try:
+                chunk = chunks.receive_nowait()
+            except trio.WouldBlock:
+                row.taker = lane.take
+                try:
+                    chunk = await chunks.receive()
+                except trio.EndOfChannel:
+                    break
+                finally:
+                    row.taker = None
+            except trio.EndOfChannel:
+                break
+            if chunk is WAKE:
+                if lane.failure is not None:
+                    raise lane.failure
+                if lane.stopped:
+                    return False
+                await outbox.drain()
+                continue
+            await outbox.send(merge_pending(chunk, chunks))
     except trio.BrokenResourceError:
         return False
     return True

@@ -16,6 +16,7 @@ once), items per edge.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,11 +25,13 @@ import trio
 from flow.graph.compiled import CompiledGraph, Route
 from flow.graph.stage import (
     EdgeStats,
+    NotNow,
     Outbox,
     Stage,
     StageStats,
     Step,
     request_lifetime,
+    takes_now,
 )
 from protocols.ir import HttpRequest, WireFrame
 
@@ -47,7 +50,12 @@ class _Failures:
 
 
 class InlineOutbox(Outbox[Any]):
-    """The edge to an inline stage: each item is fed to the stage's step at once, in the sender's task."""
+    """The edge to an inline stage: each item is fed to the stage's step at once, in the sender's task.
+
+    Or without a task at all (:meth:`send_now`: an engine step handing a row its token): the step's
+    ``feed_now`` takes the item synchronously. An item it can only take by awaiting — and every item after it,
+    so that none overtakes another — waits in the edge's backlog until the request's task drains it
+    (:meth:`drain`, or the next :meth:`send`, which drains first)."""
 
     def __init__(self, step: Step[Any, Any], downstream: Outbox[Any], edge: EdgeStats, stats: StageStats,
                  failures: _Failures) -> None:
@@ -57,13 +65,24 @@ class InlineOutbox(Outbox[Any]):
         self._edge = edge
         self._stage = stats
         self._failures = failures
-        self._done = False
+        self._takes_now = takes_now(step)
+        self._backlog: deque[Any] = deque()
+        self._done = False  # the step takes no more items
+        self._ended = False  # its end has run (or the request failed)
 
-    async def send(self, item: Any) -> None:
+    def _count(self) -> None:
         if self._done:  # the stage has all it wants: as sending into a closed inbox
             raise trio.BrokenResourceError("the consumer takes no more items")
         self.sent += 1
         self._edge.items += 1
+
+    async def send(self, item: Any) -> None:
+        self._count()
+        if self._backlog:
+            await self._drain_backlog()
+        await self._feed(item)
+
+    async def _feed(self, item: Any) -> None:
         try:
             more = await self._step.feed(item, self._downstream)
         except BaseException as exc:
@@ -72,10 +91,47 @@ class InlineOutbox(Outbox[Any]):
         if not more:
             await self.finish()
 
-    async def finish(self) -> None:
-        if self._done:
+    def ready(self) -> bool:
+        return self._takes_now and not self._done and not self._backlog and self._downstream.ready()
+
+    def send_now(self, item: Any) -> None:
+        self._count()
+        if self._backlog or not self._downstream.ready():
+            self._backlog.append(item)
             return
+        try:
+            more = self._step.feed_now(item, self._downstream)
+        except NotNow:
+            self._backlog.append(item)
+            return
+        except BaseException as exc:
+            self._failures.charge(exc, self._stage)
+            raise
+        if not more:
+            self._done = True  # later sends fail at once; the step's end waits for the task
+            self._backlog.append(_END)
+
+    async def _drain_backlog(self) -> None:
+        while self._backlog:
+            item = self._backlog.popleft()
+            if item is _END:
+                await self._end()
+            else:
+                await self._feed(item)
+
+    async def drain(self) -> None:
+        await self._drain_backlog()
+        await self._downstream.drain()
+
+    async def finish(self) -> None:
         self._done = True
+        await self._drain_backlog()
+        await self._end()
+
+    async def _end(self) -> None:
+        if self._ended:
+            return
+        self._ended = True
         try:
             await self._step.end(self._downstream)
         except BaseException as exc:
@@ -84,8 +140,13 @@ class InlineOutbox(Outbox[Any]):
         await self._downstream.finish()
 
     def close(self) -> None:
-        self._done = True
+        self._done = self._ended = True
+        self._backlog.clear()  # the request failed or was cancelled: nothing more is fed
         self._downstream.close()
+
+
+# In a backlog: the step wanted no more items; its end runs in turn.
+_END = object()
 
 
 class RouteRunner:

@@ -144,6 +144,21 @@ class Outbox(Generic[Out]):
         for channel in self._channels:
             await channel.send(item)
 
+    def ready(self) -> bool:
+        """Whether :meth:`send_now` would hand an item on without waiting, now. A channel's never does: its
+        consumer is a task of its own."""
+        return False
+
+    def send_now(self, item: Out) -> None:
+        """Send without waiting, from code that cannot await (an engine step's delivery, see
+        :mod:`stages.rows`). Only after :meth:`ready`; the item is taken even if it cannot go all the way at
+        once: what must wait is kept, in order, until :meth:`drain`."""
+        raise NotImplementedError(f"{type(self).__name__} does not send without waiting")
+
+    async def drain(self) -> None:
+        """Finish what :meth:`send_now` left waiting (a step that had to await, bytes the socket did not take),
+        in order."""
+
     async def finish(self) -> None:
         """The producer's output is complete (its ``run`` returned): the consumers see the end of the stream."""
         self.close()
@@ -169,6 +184,22 @@ class Step(Generic[In, Out]):
 
     async def end(self, out: Outbox[Out]) -> None:
         return None
+
+    def feed_now(self, item: In, out: Outbox[Out]) -> bool:
+        """``feed`` without awaiting, sending through ``out.send_now``, for a step whose per-item work is
+        synchronous (a streamed token's detokenizing and encoding): called by whoever cannot await — an engine
+        step handing every row its token at once. Raises :class:`NotNow`, having changed nothing, for an item it
+        can only take by awaiting (then ``feed`` gets it, from the request's task)."""
+        raise NotNow
+
+
+class NotNow(Exception):
+    """A step cannot take this item without awaiting; nothing was changed (see :meth:`Step.feed_now`)."""
+
+
+def takes_now(step: Step[Any, Any]) -> bool:
+    """Whether ``step`` has a :meth:`Step.feed_now` of its own."""
+    return type(step).feed_now is not Step.feed_now
 
 
 class EachItem(Step[In, Out]):

@@ -5,10 +5,14 @@ A run's exit stage sends :class:`WireFrame` items to its exit outbox. Over HTTP 
 
 * the first frame (status, headers, the body or its first bytes) is what :meth:`FlowServer.respond` waits
   for and answers with;
-* for a stream, the HTTP app sends that head, then :meth:`ResponseExit.attach` hands over the connection's
-  ASGI ``send``, and every later frame is written by the run's own task as the exit stage sends it: no
-  channel, no task switch and no iterator between the stage that encodes a frame and the connection. The
+* for a stream, the HTTP app sends that head, then :meth:`ResponseExit.attach` hands over the connection
+  (a :class:`BodyWriter`), and every later frame is written by the run's own task as the exit stage sends it:
+  no channel, no task switch and no iterator between the stage that encodes a frame and the connection. The
   connection's own back-pressure holds the run (an engine's chunks wait, and merge, upstream);
+* a frame sent without waiting (:meth:`ResponseExit.send_now`: an engine step handing a row its token, the
+  row's stages run synchronously) goes to the socket at once when it takes it (``BodyWriter.write_now``);
+  what it does not take waits, in order, for the run's task to write it (:meth:`ResponseExit.drain`), and
+  until then nothing is sent without waiting;
 * while the run is quiet (a long prefill), the HTTP app's task, which waits for the run to end
   (:meth:`ResponseExit.serve`), writes the stream's keepalive each ``keepalive_seconds`` the head asked for.
 
@@ -23,14 +27,26 @@ server still sends the error frames that end the stream in the protocol's shape.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections import deque
+from typing import Protocol
 
 import trio
 
 from flow.graph.stage import Outbox
 from protocols.ir import WireFrame
 
-Write = Callable[[bytes], Awaitable[None]]
+class BodyWriter(Protocol):
+    """A streamed response body's connection, once its head is sent."""
+
+    async def write(self, data: bytes) -> None:
+        """Write a piece of the body, waiting while the socket is full."""
+
+    def write_now(self, data: bytes) -> bytes | None:
+        """Write a piece of the body now, without waiting: the bytes the socket did not take (framed: they go to
+        :meth:`write_raw`), or ``None`` when it cannot write now at all (nothing was written)."""
+
+    async def write_raw(self, data: bytes) -> None:
+        """The rest of what :meth:`write_now` began, as it framed it."""
 
 
 class RunExit(Outbox[WireFrame]):
@@ -66,47 +82,92 @@ class ResponseExit(RunExit):
         self.first: WireFrame | None = None
         self.started = trio.Event()  # the first frame is here, or the run ended without one
         self.ended = trio.Event()  # the run sends nothing more
-        self._write: Write | None = None
+        self._writer: BodyWriter | None = None
         self._attached = trio.Event()
         self._last_write = 0.0
+        # Frames sent without waiting that are not on the wire yet, in order: (framed by write_now, bytes).
+        self._pending: deque[tuple[bool, bytes]] = deque()
+        self._writing = False  # the run's task is writing pending bytes
 
-    async def send(self, frame: WireFrame) -> None:
+    def _take_first(self, frame: WireFrame) -> bool:
+        """Whether ``frame`` is the first (kept for the HTTP app); a closed exit, or a frame after a whole
+        response, raises as a closed channel would."""
         if self.ended.is_set():
             raise trio.ClosedResourceError("the run's exit is closed")
+        self.sent += 1
         if self.first is None:
             self.first = frame
-            self.sent += 1
             self.started.set()
-            return
+            return True
         if not self.first.streaming:
             raise trio.BrokenResourceError("the response was whole: nothing follows it")
-        if self._write is None:
-            await self._attached.wait()  # the head is not on the wire yet
-        assert self._write is not None
-        self.sent += 1
         self._last_write = trio.current_time()
-        await self._write(frame.data)
+        return False
+
+    async def send(self, frame: WireFrame) -> None:
+        if self._take_first(frame):
+            return
+        if self._writer is None:
+            await self._attached.wait()  # the head is not on the wire yet
+        assert self._writer is not None
+        if self._pending:
+            await self.drain()
+        await self._writer.write(frame.data)
+
+    def ready(self) -> bool:
+        first = self.first
+        return not self.ended.is_set() and (
+            first is None or (first.streaming and self._writer is not None and not self._pending
+                              and not self._writing))
+
+    def send_now(self, frame: WireFrame) -> None:
+        if self._take_first(frame):
+            return
+        if self._pending or self._writer is None:
+            self._pending.append((False, frame.data))
+            return
+        left = self._writer.write_now(frame.data)
+        if left is None:
+            self._pending.append((False, frame.data))
+        elif left:
+            self._pending.append((True, left))
+
+    async def drain(self) -> None:
+        if self._writer is None:
+            await self._attached.wait()
+        assert self._writer is not None
+        self._writing = True
+        try:
+            while self._pending:
+                framed, data = self._pending.popleft()
+                await (self._writer.write_raw(data) if framed else self._writer.write(data))
+        finally:
+            self._writing = False
 
     def end(self) -> None:
         self.started.set()
         self.ended.set()
 
-    def attach(self, write: Write) -> None:
-        """The response head (and the first frame's bytes) are sent: later frames go to ``write``."""
-        self._write = write
+    def attach(self, writer: BodyWriter) -> None:
+        """The response head (and the first frame's bytes) are sent: later frames go to ``writer``."""
+        self._writer = writer
         self._last_write = trio.current_time()
         self._attached.set()
 
     async def serve(self) -> None:
-        """Wait for the run to end, keeping a quiet stream open with its keepalive (call after :meth:`attach`)."""
-        first = self.first
-        assert first is not None and self._write is not None
+        """Wait for the run to end, keeping a quiet stream open with its keepalive (call after :meth:`attach`),
+        then write what the run left unwritten."""
+        first, writer = self.first, self._writer
+        assert first is not None and writer is not None
         if not first.keepalive or first.keepalive_seconds <= 0:
             await self.ended.wait()
-            return
         while not self.ended.is_set():
             with trio.move_on_at(self._last_write + first.keepalive_seconds):
                 await self.ended.wait()
             if not self.ended.is_set() and trio.current_time() - self._last_write >= first.keepalive_seconds:
                 self._last_write = trio.current_time()
-                await self._write(first.keepalive)
+                if self._pending or self._writing:
+                    continue  # bytes are on their way: the stream is not quiet
+                await writer.write(first.keepalive)
+        if self._pending and not self._writing:
+            await self.drain()

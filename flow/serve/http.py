@@ -28,6 +28,7 @@ from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
+from flow.serve.hypercorn_fixes import DirectWriter, direct_writer
 from flow.serve.live import NoRoute
 from flow.serve.server import Answer, FlowServer
 from flow.serve.stats_feed import FeedLimit, parse_interval
@@ -49,9 +50,23 @@ class _RequestIO:
     runs: list[trio.CancelScope]
     send: Any
 
+    direct: DirectWriter | None = None
+    found: bool = False
+
     async def write(self, data: bytes) -> None:
         """One piece of a streaming response's body, straight to the connection (flow.serve.exit)."""
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def write_now(self, data: bytes) -> bytes | None:
+        """A piece written without awaiting, where hypercorn's connection allows it (flow.serve.hypercorn_fixes)."""
+        if not self.found:
+            self.found = True
+            self.direct = direct_writer(self.send)
+        return None if self.direct is None else self.direct.write_now(data)
+
+    async def write_raw(self, data: bytes) -> None:
+        assert self.direct is not None  # only what write_now began comes here
+        await self.direct.write_raw(data)
 
 
 _request_io: contextvars.ContextVar[_RequestIO | None] = contextvars.ContextVar("flow_request_io", default=None)
@@ -167,7 +182,7 @@ def create_app(server: FlowServer) -> QuartTrio:
         io = _request_io.get()
         if io is None:
             raise RuntimeError("a graph route's request outside the app's ASGI middleware")
-        return _answer_response(await server.respond(gen, match.runner, http, app.nursery, io.runs, io.write))
+        return _answer_response(await server.respond(gen, match.runner, http, app.nursery, io.runs, io))
 
     app.add_url_rule("/", endpoint="graph_root", view_func=dispatch, methods=METHODS,
                      provide_automatic_options=False)  # "/" is a graph route too: the console page

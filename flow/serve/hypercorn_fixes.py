@@ -47,6 +47,16 @@ Content-Length, exactly h11's own rule — a body piece is framed here, as h11's
 ``ChunkedWriter`` would, and sent as raw data. Everything else (the head, the
 end of the body, a fixed-length or close-delimited body, HTTP/1.0) still goes
 through h11.
+
+**A streamed body's piece can be written with no await at all.** An engine step
+hands every row its token in one synchronous pass, and each row's stages run
+in it (flow.serve.exit): :func:`direct_writer` gives such a pass the response's
+socket, reached through hypercorn's objects from the ASGI ``send``. It writes
+a piece framed as above, in one non-blocking ``send``, exactly when the
+shortcut above would (plain TCP, a chunked HTTP/1.1 body under way, no other
+piece on its way); otherwise it writes nothing and the piece takes the
+ordinary path. What the socket does not take is written by the request's task
+through the send lock (``write_raw``), before any later piece.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.events import Body, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hypercorn.trio.tcp_server import TCPServer
 
 _original_protocol_send = TCPServer.protocol_send
@@ -107,6 +118,51 @@ async def _stream_send(self: Any, event: StreamEvent) -> None:
         self._flow_chunked = (event.status_code >= 200 and version is not None and version >= b"1.1"
                               and not any(name.lower() == b"content-length" for name, _ in event.headers))
     await _original_stream_send(self, event)
+
+
+class DirectWriter:
+    """One HTTP/1.1 response's body pieces, written to its socket without awaiting (see the module's text)."""
+
+    def __init__(self, stream: Any, protocol: Any, server: Any) -> None:
+        self._stream = stream  # hypercorn's HTTPStream: its ASGI state
+        self._protocol = protocol  # H11Protocol: the h11 connection and how this response is framed
+        self._server = server  # TCPServer: the socket and its send lock
+
+    def write_now(self, data: bytes) -> bytes | None:
+        """Frame ``data`` as a chunk and send what the socket takes now: the framed bytes it did not take, or
+        ``None`` (nothing written) when this response cannot be written to directly now."""
+        protocol, server = self._protocol, self._server
+        sock = server.stream
+        if (self._stream.closed or not protocol.__dict__.get("_flow_chunked")
+                or protocol.connection.our_state is not h11.SEND_BODY
+                or not isinstance(sock, trio.SocketStream) or server.send_lock.locked()):
+            return None
+        if not data:
+            return b""
+        framed = b"%x\r\n" % len(data) + data + b"\r\n"
+        try:
+            sent = os.write(sock.socket.fileno(), framed)
+        except BlockingIOError:
+            sent = 0
+        except OSError:  # a broken or closed connection: the ordinary path finds out which, and ends the stream
+            sent = 0
+        return framed[sent:]
+
+    async def write_raw(self, data: bytes) -> None:
+        await self._server.protocol_send(RawData(data=data))
+
+
+def direct_writer(send: Any) -> DirectWriter | None:
+    """The direct writer for the response whose ASGI ``send`` this is, or ``None`` where there is none (not
+    hypercorn's HTTP/1.1 over trio: HTTP/2, a WebSocket, another server)."""
+    stream = getattr(send, "__self__", None)
+    stream_send = getattr(stream, "send", None)
+    protocol = getattr(stream_send, "__self__", None)
+    protocol_send = getattr(protocol, "send", None)
+    server = getattr(protocol_send, "__self__", None)
+    if not (isinstance(stream, HTTPStream) and isinstance(protocol, H11Protocol) and isinstance(server, TCPServer)):
+        return None
+    return DirectWriter(stream, protocol, server)
 
 
 async def _read_data(self: Any) -> None:

@@ -40,7 +40,7 @@ from flow.graph.compiled import CompiledGraph, CompileError
 from flow.graph.runner import RouteRunner
 from flow.graph.stage import EntryStage, ExitStage, request_notes
 from flow.resources.model import ModelResource
-from flow.serve.exit import ResponseExit, RunExit, Write
+from flow.serve.exit import BodyWriter, ResponseExit, RunExit
 from flow.serve.guard import Guard
 from flow.serve.live import Generation, LiveGraph, ReloadRefused, ReloadReport
 from flow.serve.loop_watch import LoopWatch
@@ -250,9 +250,9 @@ class FlowServer:
             return exit_stage.error_frames(fallback) if streaming else [exit_stage.error_response(fallback)]
 
     async def respond(self, gen: Generation, runner: RouteRunner, http: HttpRequest, nursery: trio.Nursery,
-                      runs: list[trio.CancelScope] | None, write: Write) -> Answer:
+                      runs: list[trio.CancelScope] | None, writer: BodyWriter) -> Answer:
         """Start the request's run; answer with its first frame (and, streaming, the rest as the body, which the
-        run writes through ``write`` once the head is sent). ``runs``: the ASGI call's list of run scopes,
+        run writes through ``writer`` once the head is sent). ``runs``: the ASGI call's list of run scopes,
         cancelled when the call ends."""
         if self.draining.is_set():
             return Answer(self.error_response(http.path, shutting_down(), close=True,
@@ -284,7 +284,7 @@ class FlowServer:
         async def body() -> AsyncIterator[bytes]:
             try:
                 yield first.data
-                exit.attach(write)  # the head and the first bytes are sent: the run writes the rest itself
+                exit.attach(writer)  # the head and the first bytes are sent: the run writes the rest itself
                 await exit.serve()
             finally:
                 scope.cancel()  # the client left, or the stream is over

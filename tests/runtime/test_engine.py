@@ -19,7 +19,7 @@ from protocols.ir import SamplingParams, TokenChunk
 from runtime.device import DeviceThread
 from runtime.engine import Engine
 from runtime.engine_config import STRATEGIES, EngineConfig, EngineOverloaded
-from runtime.sequence import SequenceHandle
+from runtime.handle import SequenceHandle
 from runtime.step_phases import Phase, phases
 from runtime.tiny import PRESETS, ensure_tiny_model
 

@@ -3,19 +3,23 @@
 flow writes a stream's frames to the connection from the run itself and frames a chunked body's pieces
 without h11 (flow/serve/exit.py, flow/serve/hypercorn_fixes.py). These tests read what a client gets with no
 HTTP library in between: a strictly parsed chunked body for HTTP/1.1, the same events; the connection kept
-alive for a whole (Content-Length) answer after it; a close-delimited body for an HTTP/1.0 client.
+alive for a whole (Content-Length) answer after it; a close-delimited body for an HTTP/1.0 client; a client
+that reads slowly gets every byte in order, written without waiting until its socket is full, then by the
+request's task.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from flow.builtins import compile_tables
+from flow.serve.hypercorn_fixes import DirectWriter
 from tests.harness import RunningServer, running_server, tables_with_model
 
 TEXT = "The keeper trims the wick and writes the log: the sea is calm, the wind from the west."
@@ -29,9 +33,9 @@ def server(tiny_qwen3: Path) -> Iterator[RunningServer]:
         yield running
 
 
-def request(stream: bool, version: str = "1.1") -> bytes:
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": TEXT}], "stream": stream,
-                       "max_tokens": 64, "reasoning_effort": "none"}).encode()
+def request(stream: bool, version: str = "1.1", text: str = TEXT, max_tokens: int = 64) -> bytes:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}], "stream": stream,
+                       "max_tokens": max_tokens, "reasoning_effort": "none"}).encode()
     return (f"POST /v1/chat/completions HTTP/{version}\r\nhost: localhost\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode() + body
 
@@ -112,3 +116,29 @@ def test_http10_stream_is_close_delimited(server: RunningServer) -> None:
         while reader.more():
             pass  # the body ends when the server closes the connection
         assert streamed_text(reader.buffer) == TEXT
+
+
+def test_a_slow_reader_gets_every_byte_in_order(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    left: list[int] = []  # bytes a direct write left for the task, per write that could not finish
+    write_now = DirectWriter.write_now
+
+    def counted(self: DirectWriter, data: bytes) -> bytes | None:
+        rest = write_now(self, data)
+        if rest:
+            left.append(len(rest))
+        return rest
+
+    monkeypatch.setattr(DirectWriter, "write_now", counted)
+    text = " ".join([TEXT] * 40)  # ~1,600 tokens: ~240 KB of events, more than the sockets hold
+    port = int(server.base_url.rsplit(":", 1)[1])
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(60)
+        sock.connect(("127.0.0.1", port))
+        reader = Reader(sock)
+        sock.sendall(request(stream=True, text=text, max_tokens=2048))
+        time.sleep(1.0)  # the server fills the socket and must wait
+        status, _ = reader.head()
+        assert status.startswith("HTTP/1.1 200"), reader.buffer
+        assert streamed_text(reader.chunked()) == text
+    assert left, "the socket never filled: the test did not reach the path it is for"
