@@ -25,25 +25,65 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 
 
 class ExactBPEDetokenizer(BPEStreamingDetokenizer):
-    """Byte-level BPE is lossless: keep every space, the first one included."""
+    """Byte-level BPE is lossless: keep every space, the first one included.
 
-    def _maybe_trim_space(self, current_text: str) -> str:
-        return current_text
+    And per token, a table look-up rather than a decode: each token's text, where its bytes are whole UTF-8 on
+    their own, is worked out once per vocabulary (:meth:`prepare`). A token's text is then appended
+    as it is; only a token that ends or continues a multi-byte character goes through the bytes. (The base
+    class holds a lone space back one token, to trim it; an exact detokenizer trims nothing, so it does not.)
+    """
 
-    def finalize(self) -> None:
-        self.text += self._decode_bytes(self._unflushed)
-        self._unflushed = ""
+    _texts: list[str | None]  # per token id: its text, or None when its bytes are not whole UTF-8 alone
 
-    def _decode_bytes(self, seq: str) -> str:
+    def prepare(self) -> None:
+        """Build the per-token table (once per vocabulary: copies share it)."""
+        texts: list[str | None] = []
+        for piece in self.tokenmap:
+            try:
+                texts.append(self._bytes_of(piece).decode("utf-8"))
+            except UnicodeDecodeError:
+                texts.append(None)
+        self._texts = texts
+
+    @staticmethod
+    def _bytes_of(piece: str) -> bytes:
         table = _byte_decoder()
         data = bytearray()
-        for c in seq:
+        for c in piece:
             byte = table.get(c)
             if byte is None:
                 data.extend(c.encode("utf-8"))  # not a byte-level character (an added token's text)
             else:
                 data.append(byte)
-        return data.decode("utf-8", "replace")
+        return bytes(data)
+
+    def reset(self) -> None:
+        super().reset()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)
+        self._held = b""  # bytes of a multi-byte character not complete yet
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        if token >= len(self._texts):
+            self._add_bytes(b"!")  # mlx-lm's fallback for an id past the vocabulary (a padded embedding)
+            return
+        text = self._texts[token]
+        if text is not None and not self._held:
+            self.text += text
+            return
+        self._add_bytes(self._bytes_of(self.tokenmap[token]))
+
+    def _add_bytes(self, data: bytes) -> None:
+        held = self._held + data
+        text = held.decode("utf-8", "replace")
+        if text.endswith("\ufffd"):
+            self._held = held  # for multi-byte UTF-8, wait until it is complete
+        else:
+            self.text += text
+            self._held = b""
+
+    def finalize(self) -> None:
+        self.text += self._held.decode("utf-8", "replace")
+        self._held = b""
 
 
 class ExactSPMDetokenizer(SPMStreamingDetokenizer):
@@ -76,5 +116,7 @@ def use_exact_detokenizer(wrapper: Any) -> None:
         return
     exact = object.__new__(exact_type)
     exact.__dict__.update(current.__dict__)  # its vocabulary's token map, built once at load
+    if isinstance(exact, ExactBPEDetokenizer):
+        exact.prepare()
     exact.reset()
     wrapper._detokenizer = exact

@@ -144,9 +144,8 @@ class Lane:
         self.stopped = False  # downstream took no more
 
     def take(self, chunk: TokenChunk) -> TokenChunk | None:
+        # No readiness check first: an edge that cannot take the chunk now keeps it for the task, in order.
         outbox = self.outbox
-        if not outbox.ready():
-            return chunk  # the task's, as before the lane was offered
         try:
             self.context.run(outbox.send_now, chunk)
         except trio.BrokenResourceError:
@@ -161,14 +160,14 @@ class Lane:
 async def _forward_one(row: Row, outbox: Outbox[Generation]) -> bool:
     """The one row's chunks; ``False`` when downstream stopped reading. While the task waits, the row's
     tokens go through its lane (when the stages take them synchronously)."""
-    lane = Lane(outbox)
+    lane = Lane(outbox) if outbox.sends_now() else None
     chunks = row.chunks
     try:
         while True:
             try:
                 chunk = chunks.receive_nowait()
             except trio.WouldBlock:
-                row.taker = lane.take
+                row.taker = lane.take if lane is not None else None
                 try:
                     chunk = await chunks.receive()
                 except trio.EndOfChannel:
@@ -178,6 +177,7 @@ async def _forward_one(row: Row, outbox: Outbox[Generation]) -> bool:
             except trio.EndOfChannel:
                 break
             if chunk is WAKE:
+                assert lane is not None
                 if lane.failure is not None:
                     raise lane.failure
                 if lane.stopped:

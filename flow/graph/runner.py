@@ -91,6 +91,9 @@ class InlineOutbox(Outbox[Any]):
         if not more:
             await self.finish()
 
+    def sends_now(self) -> bool:
+        return self._takes_now and self._downstream.sends_now()
+
     def ready(self) -> bool:
         return self._takes_now and not self._done and not self._backlog and self._downstream.ready()
 

@@ -144,14 +144,18 @@ class Outbox(Generic[Out]):
         for channel in self._channels:
             await channel.send(item)
 
+    def sends_now(self) -> bool:
+        """Whether this outbox has :meth:`send_now` at all. A channel's has not: its consumer is a task of its
+        own."""
+        return False
+
     def ready(self) -> bool:
-        """Whether :meth:`send_now` would hand an item on without waiting, now. A channel's never does: its
-        consumer is a task of its own."""
+        """Whether :meth:`send_now` would hand an item on without waiting, now."""
         return False
 
     def send_now(self, item: Out) -> None:
         """Send without waiting, from code that cannot await (an engine step's delivery, see
-        :mod:`stages.rows`). Only after :meth:`ready`; the item is taken even if it cannot go all the way at
+        :mod:`stages.rows`), where :meth:`sends_now`. The item is taken even if it cannot go all the way at
         once: what must wait is kept, in order, until :meth:`drain`."""
         raise NotImplementedError(f"{type(self).__name__} does not send without waiting")
 

@@ -114,6 +114,9 @@ class ResponseExit(RunExit):
             await self.drain()
         await self._writer.write(frame.data)
 
+    def sends_now(self) -> bool:
+        return True
+
     def ready(self) -> bool:
         first = self.first
         return not self.ended.is_set() and (

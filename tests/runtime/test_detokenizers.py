@@ -40,7 +40,8 @@ def test_byte_level_bpe_keeps_a_leading_space(tiny_qwen3: Path) -> None:
     ids = wrapper.encode(" the lamp", add_special_tokens=False)
     assert wrapper.decode(ids) == " the lamp"
     assert streamed(wrapper, ids) == " the lamp"
-    for seq in cases(wrapper, [" leading", "  two spaces", "plain", " é ünïcode", "\n newline first"]):
+    for seq in cases(wrapper, [" leading", "  two spaces", "plain", " é ünïcode", "\n newline first",
+                              "a crab 🦀 and 漢字 split across tokens", "nul \x00 byte"]):
         assert streamed(wrapper, seq) == wrapper.decode(seq), seq
 
 

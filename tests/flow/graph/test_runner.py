@@ -216,6 +216,9 @@ class Frames(Outbox[WireFrame]):
         self.sent += 1
         self.frames.append(item.data)
 
+    def sends_now(self) -> bool:
+        return True
+
     def ready(self) -> bool:
         return True
 
