@@ -496,13 +496,21 @@ class _ChoiceStream:
         elif finish is not None:
             text += stops.flush()
         logprobs = tuple(_token_strings(self.tokenizer, lp) for lp in chunk.logprobs) if chunk.logprobs else ()
+        events: list[TextDelta | ReasoningDelta | ToolCallDelta]
         if self.parser is None:
-            events: list[TextDelta | ReasoningDelta | ToolCallDelta] = (
-                [TextDelta(text, logprobs)] if text or logprobs else [])
+            events = [TextDelta(text, logprobs)] if text or logprobs else []
         else:
-            events = [*self.parser.feed(text), *(self.parser.finish() if finish is not None else [])]
+            events = self.parser.feed(text)
+            if finish is not None:
+                events = [*events, *self.parser.finish()]
             if logprobs:
-                events.append(TextDelta("", logprobs))
+                events = [*events, TextDelta("", logprobs)]
+        if finish is None and not self.choice:  # per token, the usual case: the events are as they are
+            for event in events:
+                if isinstance(event, ToolCallDelta):
+                    break
+            else:
+                return list(events)
         out: list[StreamEvent] = []
         for event in events:
             if isinstance(event, ToolCallDelta):

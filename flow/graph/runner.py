@@ -99,7 +99,7 @@ class InlineOutbox(Outbox[Any]):
 
     def send_now(self, item: Any) -> None:
         self._count()
-        if self._backlog or not self._downstream.ready():
+        if self._backlog:  # behind an item that waits for the task (downstream keeps its own order)
             self._backlog.append(item)
             return
         try:

@@ -53,6 +53,19 @@ class ThinkTagParser(BufferedParser):
         self.interleaved = interleaved
         self._state = _OPENING if starts_inside else _BEFORE
         self._buf = ""
+        self._firsts = {_BEFORE: frozenset(t[0] for t in self.starts), _INSIDE: frozenset(t[0] for t in self.ends)}
+
+    def feed(self, text: str) -> list[Event]:
+        # Per token, the usual case, without the buffer: nothing is held, no tag can begin in the text, and it
+        # does not end in whitespace (held as layout next to a tag): it all goes out as _run would send it.
+        if not self._buf and text:
+            state = self._state
+            if state == _DONE:
+                return [TextDelta(text)]
+            firsts = self._firsts.get(state)
+            if firsts is not None and not text[-1].isspace() and not any(c in text for c in firsts):
+                return [TextDelta(text) if state == _BEFORE else ReasoningDelta(text)]
+        return super().feed(text)
 
     def _run(self, final: bool) -> list[Event]:
         out: list[Event] = []
