@@ -261,8 +261,17 @@ def decode_embed_request(body: bytes, request_id: str) -> EmbeddingRequest:
 # --------------------------------------------------------------------------- responses
 
 
+_second: tuple[int, str] = (-1, "")  # the last whole second stamped, and its text
+
+
 def created_at() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    """Now in UTC, as Ollama stamps each line (``2026-11-28T07:50:01.123456Z``). Streams stamp every token: the
+    date and time are formatted once a second, only the microseconds each time."""
+    global _second
+    second, fraction = divmod(time.time_ns() // 1000, 1_000_000)
+    if _second[0] != second:
+        _second = (second, datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S"))
+    return f"{_second[1]}.{fraction:06d}Z"
 
 
 def _line(obj: dict[str, Any]) -> bytes:
