@@ -286,6 +286,28 @@ SERVERS: dict[str, tuple[Callable[[Path, int, argparse.Namespace, Path], subproc
 }
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cpu_figures(summary: dict[str, Any], cpu: dict[str, float]) -> None:
+    """Add where the CPU went during a level: per completion token, by process, and the cores kept busy (the
+    machine's cores are shared by the server, the load generator and everything else)."""
+    tokens, wall = summary.get("completion_tokens"), summary.get("wall_s")
+    if not tokens or not wall:
+        return
+    for name, seconds in cpu.items():
+        summary[f"{name}_cpu_us_per_token"] = round(seconds / tokens * 1e6, 1)
+    summary["cores_busy"] = round(sum(cpu.values()) / wall, 2)
+
+
 def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
                  args: argparse.Namespace) -> dict[str, Any]:
     try:
@@ -293,7 +315,9 @@ def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
         trio.run(run_level, url, model, 2, 8)  # warm-up: kernels, first-request paths
         levels: dict[str, Any] = {}
         for level in args.levels:
+            server_cpu, client_cpu = process_cpu_s(proc.pid), own_cpu_s()
             summary = summarize(trio.run(run_level, url, model, level, args.max_tokens))
+            cpu_figures(summary, {"server": process_cpu_s(proc.pid) - server_cpu, "client": own_cpu_s() - client_cpu})
             levels[str(level)] = summary
             print(f"{name:>14} c={level:<3} {summary.get('aggregate_tps', 0):>7} tok/s  TTFT p50 "
                   f"{summary.get('ttft_ms_p50')} ms  failed {summary['failed']}", file=sys.stderr)
@@ -327,15 +351,16 @@ def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, 
     out: dict[str, Any] = {}
     for level in levels:
         p = prompts(level)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), own_cpu_s()
         response = batch_generate(model, tokenizer, p, max_tokens=max_tokens, return_token_ids=True)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, own_cpu_s() - cpu
         tokens = sum(len(t) for t in (response.token_ids or []))
         out[str(level)] = {"requests": level, "failed": 0, "completion_tokens": tokens,
                            "tokens_per_request": round(tokens / level, 1), "wall_s": round(wall, 2),
                            "aggregate_tps": round(tokens / wall, 1),
                            "prompt_tokens": sum(len(x) for x in p),
                            "generation_tps": round(response.stats.generation_tps, 1)}
+        cpu_figures(out[str(level)], {"server": cpu})
         print(f"{'raw':>14} c={level:<3} {out[str(level)]['aggregate_tps']:>7} tok/s", file=sys.stderr)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"levels": out, "peak_rss_mb": round(peak, 1)}
@@ -397,6 +422,14 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {level} | {system} | {row.get('aggregate_tps', '–')} | {row.get('ttft_ms_p50', '–')} | "
                 f"{row.get('ttft_ms_p95', '–')} | {row.get('per_stream_tps_p50', '–')} | {row.get('failed', '–')} | "
                 f"{row.get('tokens_per_request', '–')} |")
+    lines += ["", "Where the CPU went (the machine's cores are shared by the server and the load generator; raw has no "
+              "client):", "", "| concurrency | system | server CPU µs/token | client CPU µs/token | cores busy |",
+              "|---|---|---|---|---|"]
+    for level in result["levels"]:
+        for system in systems:
+            row = result["systems"][system]["levels"].get(str(level), {})
+            lines.append(f"| {level} | {system} | {row.get('server_cpu_us_per_token', '–')} | "
+                         f"{row.get('client_cpu_us_per_token', '–')} | {row.get('cores_busy', '–')} |")
     lines += ["", "| system | idle TTFT ms | TTFT while 8 decode ms | ratio | peak RSS MB |", "|---|---|---|---|---|"]
     for system in systems:
         data = result["systems"][system]

@@ -12,6 +12,10 @@ A route whose stages all run in one task — the entry works as a step and every
 the chat routes — runs in the caller's own task: no nursery, no channel, no task per stage. Every stage and
 edge still counts its figures (``/stats``, ``/metrics``): runs, errors (charged to the stage that raised,
 once), items per edge.
+
+Such a chain can also be fed with no task at all: :meth:`InlineOutbox.send_now` runs each step's
+``feed_now`` synchronously (an engine step handing a row its token, see :mod:`stages.rows`), and keeps what
+must await for the request's task, in order.
 """
 
 from __future__ import annotations
