@@ -9,7 +9,9 @@ medians are reported.
 Figures:
 * raw decode tok/s — mlx-lm's own ``generation_tps``;
 * server decode tok/s — completion tokens after the first, over the time from
-  the first to the last streamed token, as a client sees it;
+  the first to the last streamed token, as a client sees it (a client in a
+  process of its own, :mod:`flow.cli.stream_client`: in this one its parsing
+  would take the interpreter lock from the server's threads);
 * server TTFT — request sent to first content token;
 * graph overhead per token — server time per token minus raw time per token.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from mlx.utils import tree_flatten
 
 from flow.builtins import compile_tables
@@ -66,26 +68,19 @@ def raw_round(server: RunningServer, prompt_ids: list[int], max_tokens: int) -> 
 
 
 def server_round(server: RunningServer, max_tokens: int) -> tuple[float, float, int]:
+    """The request streamed by a client in a process of its own (:mod:`flow.cli.stream_client`)."""
     body = {"model": "bench", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    stamps: list[float] = []
-    tokens = 0
-    start = time.perf_counter()
-    with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=600) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                stamps.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    if len(stamps) < 2:
+    done = subprocess.run([sys.executable, "-m", "flow.cli.stream_client", server.url + "/chat/completions",
+                           json.dumps(body)], capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the streaming client failed: {done.stderr.strip()[-500:]}")
+    seen = json.loads(done.stdout)
+    if seen["chunks"] < 2:
         raise RuntimeError("the server streamed fewer than two content chunks; raise --max-tokens")
     # Chunks are per engine step (one token each in single-stream decode).
-    decode_tps = (tokens - 1) / (stamps[-1] - stamps[0])
-    return decode_tps, (stamps[0] - start) * 1000, tokens
+    decode_tps = (seen["tokens"] - 1) / (seen["last"] - seen["first"])
+    return decode_tps, (seen["first"] - seen["start"]) * 1000, seen["tokens"]
 
 
 def run_bench(model: str, max_tokens: int, rounds: int) -> dict[str, Any]:
