@@ -104,6 +104,9 @@ from runtime.step_phases import Phase, phases
 
 log = logging.getLogger("flow.engine")
 
+# How often a decode step reads the KV bytes it holds (a gauge) while its rows stay the same.
+KV_GAUGE_SECONDS = 0.25
+
 
 class Engine:
     """Runs sequences of one model on the device thread, batched."""
@@ -149,6 +152,8 @@ class Engine:
         self._streams: weakref.WeakSet[SequenceHandle] = weakref.WeakSet()
         self._cancelled: set[int] = set()
         self._kv_per_token: int | None = None
+        self._gauged_rows: tuple[int, int, int] = (-1, -1, -1)  # the rows when the KV gauge was last read
+        self._gauged_at = 0.0
         # Device-thread state: the collaborators each phase calls, and the decode batch.
         # On a GPU, async_eval returns at once: launch step n+1, then read step n (pipelined, like
         # mlx_lm.generate_step). On the CPU it computes most of the step before returning (runtime/step_phases.py).
@@ -547,7 +552,13 @@ class Engine:
         s = self.stats
         s.batch_size = len(self._batch)
         s.peak_batch = max(s.peak_batch, s.batch_size)
-        s.kv_bytes = self._batch.nbytes + self.prefill.kv_bytes
+        # The KV bytes are a sum over every layer's arrays: read when the rows change, else a few times a
+        # second, not on every step (on a small model that sum cost a tenth of a step).
+        rows = (s.batch_size, len(self.prefill.ready), len(self.prefill.waiting))
+        now = time.monotonic()
+        if rows != self._gauged_rows or now - self._gauged_at >= KV_GAUGE_SECONDS:
+            self._gauged_rows, self._gauged_at = rows, now
+            s.kv_bytes = self._batch.nbytes + self.prefill.kv_bytes
 
     # ------------------------------------------------------------------ cancellations and failures
     def _drop_cancelled(self, started: Rows | None = None) -> None:
