@@ -21,6 +21,7 @@ to hand between tasks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union
 
@@ -324,6 +325,30 @@ class TokenLogprob:
     top: tuple[tuple[int | str, float], ...] = ()
 
 
+_Frozen = TypeVar("_Frozen")
+
+
+def made_per_token(cls: type[_Frozen]) -> type[_Frozen]:
+    """A frozen dataclass made for every streamed token gets an ``__init__`` that fills the instance's
+    ``__dict__`` directly: the generated one sets each field through ``object.__setattr__`` (to get past the
+    frozen check), at about twice the cost. Fields, defaults, equality, hashing and the frozen check are the
+    dataclass's own."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    if hasattr(cls, "__post_init__") or any(f.default_factory is not dataclasses.MISSING or not f.init
+                                             for f in fields):
+        raise TypeError(f"{cls.__name__}: only plain fields with plain defaults")
+    defaults = {f"_default_{f.name}": f.default for f in fields if f.default is not dataclasses.MISSING}
+    params = ", ".join(f.name if f.default is dataclasses.MISSING else f"{f.name}=_default_{f.name}" for f in fields)
+    body = "".join(f"    d[{f.name!r}] = {f.name}\n" for f in fields)
+    namespace: dict[str, Any] = {}
+    exec(f"def __init__(self, {params}):\n    d = self.__dict__\n{body}", defaults, namespace)  # noqa: S102
+    init = namespace["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = init  # type: ignore[method-assign]
+    return cls
+
+
+@made_per_token
 @dataclass(frozen=True)
 class TokenChunk:
     """The tokens one engine step produced for one sequence.
@@ -368,6 +393,7 @@ class ResponseStarted:
 # Every event of a response's choices carries its ``choice`` (0 unless the request asked for several, ``n``).
 
 
+@made_per_token
 @dataclass(frozen=True)
 class TextDelta:
     text: str
@@ -375,6 +401,7 @@ class TextDelta:
     choice: int = 0
 
 
+@made_per_token
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
@@ -612,6 +639,7 @@ class SpeechDone:
 SpeechEvent = Union[SpeechChunk, SpeechDone]
 
 
+@made_per_token
 @dataclass(frozen=True)
 class WireFrame:
     """Bytes for the client. The first frame of a response carries its head; a stream's first frame also
