@@ -63,7 +63,7 @@ class ThinkTagParser(BufferedParser):
             if state == _DONE:
                 return [TextDelta(text)]
             firsts = self._firsts.get(state)
-            if firsts is not None and not text[-1].isspace() and not any(c in text for c in firsts):
+            if firsts is not None and not text[-1].isspace() and firsts.isdisjoint(text):
                 return [TextDelta(text) if state == _BEFORE else ReasoningDelta(text)]
         return super().feed(text)
 
