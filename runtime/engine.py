@@ -152,7 +152,7 @@ class Engine:
         self._streams: weakref.WeakSet[SequenceHandle] = weakref.WeakSet()
         self._cancelled: set[int] = set()
         self._kv_per_token: int | None = None
-        self._gauged_rows: tuple[int, int, int] = (-1, -1, -1)  # the rows when the KV gauge was last read
+        self._gauged_rows: tuple[int, int, int, type | None] = (-1, -1, -1, None)  # rows, cache kind when last read
         self._gauged_at = 0.0
         # Device-thread state: the collaborators each phase calls, and the decode batch.
         # On a GPU, async_eval returns at once: launch step n+1, then read step n (pipelined, like
@@ -552,9 +552,11 @@ class Engine:
         s = self.stats
         s.batch_size = len(self._batch)
         s.peak_batch = max(s.peak_batch, s.batch_size)
-        # The KV bytes are a sum over every layer's arrays: read when the rows change, else a few times a
-        # second, not on every step (on a small model that sum cost a tenth of a step).
-        rows = (s.batch_size, len(self.prefill.ready), len(self.prefill.waiting))
+        # The KV bytes are a sum over every layer's arrays: read when the rows or the cache's kind change (a batch
+        # turning quantized), else a few times a second, not on every step (on a small model that sum cost a tenth
+        # of a step).
+        cache = self._batch.cache
+        rows = (s.batch_size, len(self.prefill.ready), len(self.prefill.waiting), type(cache[0]) if cache else None)
         now = time.monotonic()
         if rows != self._gauged_rows or now - self._gauged_at >= KV_GAUGE_SECONDS:
             self._gauged_rows, self._gauged_at = rows, now
