@@ -42,7 +42,7 @@ class EachPrompt(Step[PreparedPrompt, Generation]):
 
 
 class Row(Protocol):
-    """What an engine hands back for one submitted row (``runtime.sequence.SequenceHandle`` is one)."""
+    """What an engine hands back for one submitted row (``runtime.handle.SequenceHandle`` is one)."""
 
     taker: Taker | None
 

@@ -92,8 +92,10 @@ class InlineOutbox(Outbox[Any]):
         except BaseException as exc:
             self._failures.charge(exc, self._stage)
             raise
-        if not more:
-            await self.finish()
+        if not more:  # it has all it wants: what waits behind it is dropped, as items left in a closed inbox
+            self._done = True
+            self._backlog.clear()
+            await self._end()
 
     def sends_now(self) -> bool:
         return self._takes_now and self._downstream.sends_now()

@@ -353,3 +353,9 @@ def test_items_sent_in_one_pass_behind_a_waiting_one_keep_their_order() -> None:
     out = run(runner, "burst a slow b c slower d")
     assert out.frames == [w.encode() for w in "A SLOW B C SLOWER D <END> <end>".split()]
     assert out.now == 1  # "a" alone: everything after "slow" waited for the task, in order
+
+
+def test_a_step_that_wants_no_more_drops_what_waited_behind_it() -> None:
+    runner = runner_of(graph("test.now_upper", "test.now_upper", now=True))
+    out = run(runner, "burst a slow stop b c")
+    assert out.frames == [b"A", b"SLOW", b"<END>", b"<end>"] and out.finished  # "b" and "c" were not fed
