@@ -136,6 +136,8 @@ class ResponseExit(RunExit):
             self._pending.append((True, left))
 
     async def drain(self) -> None:
+        if not self._pending:
+            return  # (a whole response never attaches: nothing of it is ever pending)
         if self._writer is None:
             await self._attached.wait()
         assert self._writer is not None

@@ -16,6 +16,7 @@ Both cost a wake-up every 20 ms, nothing per request or per token.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -43,6 +44,23 @@ LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.1
 _ROOT = str(Path(__file__).resolve().parents[2])  # the checkout (or site-packages) holding flow/
 _SCHEDULER = os.path.join("trio", "_core", "_run.py")
 _OWN = tuple(os.path.join(_ROOT, package) + os.sep for package in ("flow", "stages", "protocols", "runtime", "viz"))
+
+
+def _thread_frames() -> dict[int, FrameType]:
+    """``sys._current_frames()`` with the garbage collector held off.
+
+    CPython 3.11 builds that dict while it holds the interpreter's thread-list lock; an allocation there may
+    start a collection, which runs Python code (a finalizer, a ``gc.callbacks`` hook) that can hand the GIL to
+    another thread, still holding the lock. A thread that then needs the lock with the GIL (one starting or
+    ending, or another ``_current_frames``) waits for it forever, and every other thread for the GIL: the whole
+    process froze that way under the test suite (two servers' watchers, hypothesis's GC hook)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -170,7 +188,7 @@ class LoopWatch:
         while not self._stop.wait(INTERVAL):
             held = time.perf_counter() - self._beat - INTERVAL
             if held > self.stall_seconds and self._seen is None and self._loop_thread is not None:
-                frame = sys._current_frames().get(self._loop_thread)
+                frame = _thread_frames().get(self._loop_thread)
                 self._seen = _culprit(frame)
 
     def json(self) -> dict[str, Any]:

@@ -147,3 +147,40 @@ def test_a_body_of_more_objects_than_any_request_needs_is_refused_beside_a_free_
         "model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": code[:200_000]}] * 4})
     assert answer.status_code in (200, 400), answer.text
     assert "JSON objects and arrays" not in answer.text
+
+
+def test_reading_the_loops_stack_runs_no_collection_inside_the_thread_list_lock() -> None:
+    """``sys._current_frames()`` holds CPython's thread-list lock while it builds its dict; a collection started
+    there runs Python code that may hand the GIL away with the lock held, which froze the whole process. The
+    watcher reads the stacks with the collector held off: a GC hook never runs inside."""
+    import gc
+    import sys
+    import threading
+
+    from flow.serve.loop_watch import _thread_frames
+
+    inside: list[str] = []
+
+    def hook(phase: str, info: dict[str, int]) -> None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name == "_thread_frames":
+                inside.append(frame.f_code.co_name)
+                return
+            frame = frame.f_back
+
+    hold = threading.Event()
+    threads = [threading.Thread(target=hold.wait, daemon=True) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    threshold = gc.get_threshold()
+    gc.callbacks.append(hook)
+    gc.set_threshold(1, 1, 1)  # a collection at every allocation (unguarded, ~1 call in 10 collects inside)
+    try:
+        for _ in range(200):
+            assert threading.get_ident() in _thread_frames()
+    finally:
+        gc.callbacks.remove(hook)
+        gc.set_threshold(*threshold)
+        hold.set()
+    assert inside == [] and gc.isenabled()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from flow.builtins import compile_tables
@@ -142,3 +143,17 @@ def test_a_slow_reader_gets_every_byte_in_order(server: RunningServer, monkeypat
         assert status.startswith("HTTP/1.1 200"), reader.buffer
         assert streamed_text(reader.chunked()) == text
     assert left, "the socket never filled: the test did not reach the path it is for"
+
+
+def test_a_whole_answer_cut_by_a_stop_string_ends_its_run(server: RunningServer) -> None:
+    """The stop string matches while the lane feeds the stages; the run's task finishes the answer and ends,
+    its row cancelled: nothing of the request is left running."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 64,
+            "reasoning_effort": "none", "stop": ["the wind"]}
+    answer = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30).json()
+    choice = answer["choices"][0]
+    assert choice["message"]["content"] == TEXT[:TEXT.index("the wind")] and choice["finish_reason"] == "stop"
+    deadline = time.monotonic() + 10
+    while server.health()["requests"]["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["requests"]["active"] == 0
