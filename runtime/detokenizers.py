@@ -19,9 +19,22 @@ again.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
+
+
+@functools.cache
+def _byte_level_latin1() -> dict[int, str]:
+    """A ``str.translate`` table that turns a piece's characters into its bytes spelled as Latin-1 characters:
+    a byte-level character into the byte it stands for; any other character below U+0100 into its UTF-8 bytes
+    (what an added token's text is made of). Characters past U+00FF that are not byte-level stay, and make the
+    Latin-1 encoding fail."""
+    table = {ord(c): chr(byte) for c, byte in _byte_decoder().items()}
+    for code in range(256):
+        table.setdefault(code, chr(code).encode("utf-8").decode("latin-1"))
+    return table
 
 
 class ExactBPEDetokenizer(BPEStreamingDetokenizer):
@@ -36,7 +49,7 @@ class ExactBPEDetokenizer(BPEStreamingDetokenizer):
     _texts: list[str | None]  # per token id: its text, or None when its bytes are not whole UTF-8 alone
 
     def prepare(self) -> None:
-        """Build the per-token table (once per vocabulary: copies share it)."""
+        """Build the per-token table (once per vocabulary, when the model loads: copies share it)."""
         texts: list[str | None] = []
         for piece in self.tokenmap:
             try:
@@ -47,15 +60,13 @@ class ExactBPEDetokenizer(BPEStreamingDetokenizer):
 
     @staticmethod
     def _bytes_of(piece: str) -> bytes:
-        table = _byte_decoder()
-        data = bytearray()
-        for c in piece:
-            byte = table.get(c)
-            if byte is None:
-                data.extend(c.encode("utf-8"))  # not a byte-level character (an added token's text)
-            else:
-                data.append(byte)
-        return bytes(data)
+        """A token's bytes: its byte-level characters decoded, any other character (an added token's text) as
+        UTF-8. One ``translate`` for a piece of byte-level characters (a vocabulary's worth at load)."""
+        try:
+            return piece.translate(_byte_level_latin1()).encode("latin-1")
+        except UnicodeEncodeError:  # a character past U+00FF that is not byte-level
+            table = _byte_decoder()
+            return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece)
 
     def reset(self) -> None:
         super().reset()  # type: ignore[no-untyped-call]  # (mlx-lm is untyped)

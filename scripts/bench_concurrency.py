@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flow.cli.bench import report  # noqa: E402
+from scripts.pipeline_load import cpu_seconds  # noqa: E402
 
 SYSTEMS = ("flow", "mlx_lm.server", "vllm-mlx", "raw")
 VLLM_MLX = Path("/tmp/vllm-venv/bin/vllm-mlx")  # --vllm-mlx's default, where it is installed
@@ -287,9 +288,8 @@ SERVERS: dict[str, tuple[Callable[[Path, int, argparse.Namespace, Path], subproc
 
 
 def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process, all its threads."""
+    return sum(cpu_seconds(pid))
 
 
 def own_cpu_s() -> float:

@@ -505,12 +505,6 @@ class _ChoiceStream:
                 events = [*events, *self.parser.finish()]
             if logprobs:
                 events = [*events, TextDelta("", logprobs)]
-        if finish is None and not self.choice:  # per token, the usual case: the events are as they are
-            for event in events:
-                if isinstance(event, ToolCallDelta):
-                    break
-            else:
-                return list(events)
         out: list[StreamEvent] = []
         for event in events:
             if isinstance(event, ToolCallDelta):

@@ -17,6 +17,7 @@ the same way, before the body is read.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import uuid
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ class _RequestIO:
     runs: list[trio.CancelScope]
     send: Any
 
-    direct: DirectWriter | None = None
-    found: bool = False
+    @functools.cached_property
+    def direct(self) -> DirectWriter | None:
+        """The connection's direct writer (flow.serve.hypercorn_fixes), looked up at the first piece."""
+        return direct_writer(self.send)
 
     async def write(self, data: bytes) -> None:
         """One piece of a streaming response's body, straight to the connection (flow.serve.exit)."""
@@ -59,10 +62,8 @@ class _RequestIO:
 
     def write_now(self, data: bytes) -> bytes | None:
         """A piece written without awaiting, where hypercorn's connection allows it (flow.serve.hypercorn_fixes)."""
-        if not self.found:
-            self.found = True
-            self.direct = direct_writer(self.send)
-        return None if self.direct is None else self.direct.write_now(data)
+        direct = self.direct
+        return None if direct is None else direct.write_now(data)
 
     async def write_raw(self, data: bytes) -> None:
         assert self.direct is not None  # only what write_now began comes here

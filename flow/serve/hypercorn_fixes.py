@@ -78,38 +78,53 @@ _original_stream_send = H11Protocol.stream_send
 _original_read_data = TCPServer._read_data
 
 
+def _send_now(server: Any, data: bytes) -> int | None:
+    """Send ``data`` to the connection of hypercorn's ``server`` in one non-blocking ``send``: how many bytes it
+    took (0 on EAGAIN, or a broken or closed connection: hypercorn's path finds out which), or ``None`` when
+    the piece must take hypercorn's path (TLS, or another piece on its way under the send lock)."""
+    stream = server.stream
+    if not isinstance(stream, trio.SocketStream) or server.send_lock.locked():
+        return None
+    try:
+        return os.write(stream.socket.fileno(), data)
+    except OSError:
+        return 0
+
+
+def _chunk(data: bytes) -> bytes:
+    """``data`` framed as one chunk of a chunked body, as h11's ``ChunkedWriter`` frames it."""
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
 async def _protocol_send(self: Any, event: Event) -> None:
     if not isinstance(event, RawData):
         with trio.CancelScope(shield=True):
             await _original_protocol_send(self, event)
         return
-    stream, lock = self.stream, self.send_lock
-    if not isinstance(stream, trio.SocketStream) or lock.locked():
-        await _original_protocol_send(self, event)  # TLS, or another piece on its way: hypercorn's path
-        return
     data = event.data
-    lock.acquire_nowait()
+    sent = _send_now(self, data)
+    if sent is None:
+        await _original_protocol_send(self, event)
+        return
+    if sent == len(data):
+        return
+    # The rest under the lock, taken now (free: nothing was awaited since _send_now found it so), so no other
+    # piece goes between this one's parts.
+    self.send_lock.acquire_nowait()
     try:
-        try:
-            sent = os.write(stream.socket.fileno(), data)
-        except OSError:  # EAGAIN, or a broken or closed connection: hypercorn's path finds out which
-            sent = 0
-        if sent == len(data):
-            return
-        try:
-            with trio.CancelScope(shield=True):  # as hypercorn's own send: never half a piece
-                await stream.send_all(memoryview(data)[sent:])
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.protocol.handle(Closed())
+        with trio.CancelScope(shield=True):  # as hypercorn's own send: never half a piece
+            await self.stream.send_all(memoryview(data)[sent:])
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await self.protocol.handle(Closed())
     finally:
-        lock.release()
+        self.send_lock.release()
 
 
 async def _stream_send(self: Any, event: StreamEvent) -> None:
     if isinstance(event, Body) and self.__dict__.get("_flow_chunked") and self.connection.our_state is h11.SEND_BODY:
         data = event.data
         if data:  # an empty chunk would end the body: h11 sends nothing for it either
-            await self.send(RawData(data=b"%x\r\n" % len(data) + data + b"\r\n"))
+            await self.send(RawData(data=_chunk(data)))
         return
     if isinstance(event, Response):
         # h11's rule (Connection._clean_up_response_headers_for_sending): a body of unknown length is chunked
@@ -131,22 +146,15 @@ class DirectWriter:
     def write_now(self, data: bytes) -> bytes | None:
         """Frame ``data`` as a chunk and send what the socket takes now: the framed bytes it did not take, or
         ``None`` (nothing written) when this response cannot be written to directly now."""
-        protocol, server = self._protocol, self._server
-        sock = server.stream
+        protocol = self._protocol
         if (self._stream.closed or not protocol.__dict__.get("_flow_chunked")
-                or protocol.connection.our_state is not h11.SEND_BODY
-                or not isinstance(sock, trio.SocketStream) or server.send_lock.locked()):
+                or protocol.connection.our_state is not h11.SEND_BODY):
             return None
         if not data:
             return b""
-        framed = b"%x\r\n" % len(data) + data + b"\r\n"
-        try:
-            sent = os.write(sock.socket.fileno(), framed)
-        except BlockingIOError:
-            sent = 0
-        except OSError:  # a broken or closed connection: the ordinary path finds out which, and ends the stream
-            sent = 0
-        return framed[sent:]
+        framed = _chunk(data)
+        sent = _send_now(self._server, framed)
+        return None if sent is None else framed[sent:]
 
     async def write_raw(self, data: bytes) -> None:
         await self._server.protocol_send(RawData(data=data))
