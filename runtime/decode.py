@@ -21,6 +21,7 @@ import time
 import mlx.core as mx
 
 from protocols.ir import TokenChunk, TokenLogprob
+from runtime.cache_surgery import LoneRowViews
 from runtime.engine_stats import Tally
 from runtime.mtp import MTPDraftState
 from runtime.pass_cost import PassCost
@@ -40,6 +41,7 @@ class Decoder:
         self._tally = tally
         self._step_cost = step_cost  # decode passes' seconds by the tokens they hold (speculation's cost fit)
         self._pipelined = pipelined  # a GPU: launch the pass before reading the last step's tokens
+        self._lone = LoneRowViews()  # a batch of one row runs on single-sequence cache views
 
     def step(self, batch: DecodeBatch) -> Decoded:
         """Decode one step of the batch; the rows that finished leave it (their extra token with them)."""
@@ -72,8 +74,11 @@ class Decoder:
         assert inputs is not None
         # An input's index is its row's prompt and the tokens fed back before it (M-RoPE models' positions).
         positions = self._passes.positions(batch.seqs, [len(s.prompt) + len(s.fed) for s in batch.seqs], 1)
-        logits, hidden = self._passes.run(inputs[:, None], batch.cache, [s.adapters for s in batch.seqs],
+        lone = self._lone.views(batch.cache, len(batch.seqs), batch.layout)
+        logits, hidden = self._passes.run(inputs[:, None], lone or batch.cache, [s.adapters for s in batch.seqs],
                                           positions=positions)
+        if lone is not None:
+            self._lone.done(batch.cache, lone)
         logits = logits[:, -1, :]
         self._passes.quantize(batch.cache)
         contexts: list[mx.array | None] = []

@@ -33,7 +33,7 @@ from runtime.sequence import Sequence as Row
 
 class ModelPasses:
     def __init__(self, model: Any, adapters: AdapterSet, drafter: Any, quantizer: KVQuantizer | None) -> None:
-        self.model = model
+        self.model = model  # sets mrope and cross (read on every pass)
         self.adapters = adapters
         self.mtp = drafter if isinstance(drafter, MTPDrafter) else None
         self.quantizer = quantizer
@@ -60,14 +60,15 @@ class ModelPasses:
         return logits, None
 
     @property
-    def mrope(self) -> bool:
-        """The model takes 3-D (M-RoPE) positions with every pass."""
-        return bool(getattr(self.model, "mrope", False))
+    def model(self) -> Any:
+        return self._model
 
-    @property
-    def cross(self) -> bool:
-        """The model reads images by cross-attention: each image row brings its states to every pass."""
-        return bool(getattr(self.model, "cross", False))
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model = model
+        # Read once, not per pass: an attribute an mlx Module lacks costs a failed lookup through its dict.
+        self.mrope = bool(getattr(model, "mrope", False))  # it takes 3-D (M-RoPE) positions with every pass
+        self.cross = bool(getattr(model, "cross", False))  # it reads images by cross-attention (rows bring states)
 
     def positions(self, rows: Sequence[Row], starts: Sequence[int], length: int) -> mx.array | CrossWindows | None:
         """What the rows of a pass over ``length`` tokens per row (row ``i`` from its index ``starts[i]`` on) bring

@@ -132,6 +132,7 @@ class Rows:
         self.seqs: list[Sequence] = seqs or []
         self.cache: list[Any] = cache or []
         self.first: list[int] = []  # started rows: each one's first token, its next input
+        self.layout = 0  # bumped whenever rows join or leave (what was read of the caches' padding is stale)
 
     @classmethod
     def merge(cls, seqs: list[Sequence]) -> Rows:
@@ -145,6 +146,7 @@ class Rows:
         return len(self.seqs)
 
     def extend(self, other: Rows) -> None:
+        self.layout += 1
         if not self.seqs:
             self.seqs, self.cache, self.first = list(other.seqs), other.cache, list(other.first)
             return
@@ -156,6 +158,7 @@ class Rows:
         """Keep only these rows (in order); the others' KV memory is released."""
         if len(keep) == len(self.seqs):
             return
+        self.layout += 1
         if not keep:
             for seq in self.seqs:
                 seq.cross = None

@@ -205,6 +205,52 @@ async def test_chunked_prefill_of_a_linear_attention_model(device: DeviceThread,
     assert [r.tokens for r in results] == expected
 
 
+async def test_a_lone_row_decodes_on_single_sequence_views_and_rows_join_it_after(
+        qwen3: Loaded, engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of one row runs its passes on KVCache views (runtime/cache_surgery.py's LoneRowViews) and hands their
+    positions back: a row joining later, and the first row's steps after the second left (past 256 positions: the
+    buffers grew while viewed), still give mlx-lm's tokens."""
+    from runtime.cache_surgery import LoneRowViews
+
+    viewed = 0
+    done = LoneRowViews.done
+
+    def counting(cache: list[Any], views: list[Any]) -> None:
+        nonlocal viewed
+        viewed += 1
+        done(cache, views)
+
+    monkeypatch.setattr(LoneRowViews, "done", staticmethod(counting))
+    prompts = [qwen3.chat(PROMPTS[0]), qwen3.chat(PROMPTS[2])]
+    expected = [qwen3.reference(prompts[0], 260), qwen3.reference(prompts[1], 12)]
+    engine = engines(qwen3)
+    first: list[Result] = []
+    joined: list[Result] = []
+
+    async def second(go: trio.Event) -> None:
+        await go.wait()
+        joined.append(await collect(engine.submit(prompts[1], max_tokens=12, stop_ids=qwen3.eos,
+                                                  sampling=GREEDY)))
+
+    go = trio.Event()
+    seen = 0
+
+    def count(_: TokenChunk) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == 20:
+            go.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second, go)
+        first.append(await collect(engine.submit(prompts[0], max_tokens=260, stop_ids=qwen3.eos,
+                                                 sampling=GREEDY), count))
+    assert len(expected[0]) == 260  # no EOS on the way: the row really decodes past 256 positions
+    assert first[0].tokens == expected[0] and joined[0].tokens == expected[1]
+    assert engine.stats.peak_batch == 2
+    assert viewed > 200  # alone before the second came and after it left
+
+
 # --------------------------------------------------------------------------- sampling inside the batch
 
 SAMPLED = [
