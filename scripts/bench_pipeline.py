@@ -158,7 +158,7 @@ def profile(server: Server, out: Path, cell: tuple[str, str, int], args: argpars
         return "py-spy is not installed (pip install py-spy)"
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{server.label}.speedscope.json"
-    recorder = subprocess.Popen([spy, "record", "--pid", str(server.proc.pid), "--rate", "200", "--nonblocking",
+    recorder = subprocess.Popen([spy, "record", "--pid", str(server.proc.pid), "--rate", str(args.profile_rate), "--nonblocking",
                                  "--format", "speedscope", "--output", str(target)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)  # py-spy attaches
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.0, help="the echo device's least step time")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 and 8 clients, 2,000 tokens per cell")
     parser.add_argument("--profile", metavar="DIR", help="py-spy each server during one more cell; files here")
+    parser.add_argument("--profile-rate", type=int, default=200, help="py-spy's samples per second")
     parser.add_argument("--profile-cell", default="openai,stream,64", help="PROTOCOL,MODE,CLIENTS to profile")
     parser.add_argument("--json", help="also write the full result here")
     parser.add_argument("--markdown", help="also write the table here")
