@@ -6,9 +6,7 @@ imported by graph checks that must not load the device's libraries.
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import trio
 
@@ -76,45 +74,3 @@ class SequenceHandle:
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
         self.chunks.close()
-
-
-# The most event-loop time one turn of a hand-out takes before the rest waits for the loop's next turn: a
-# step's chunks for hundreds of rows (each running its lane's stages) would otherwise hold the loop for tens of
-# milliseconds, and every other request, /health included, with it.
-HANDOUT_SLICE_SECONDS = 0.004
-
-
-class Handout:
-    """Where a device's steps hand their sequences' chunks over, in trio: in order, a slice of the loop's time at
-    a time.
-
-    :meth:`give` takes one step's ``(handle, chunk)`` pairs (a chunk of None: the sequence failed) and puts them to
-    their handles, oldest first; past :data:`HANDOUT_SLICE_SECONDS` in one turn, the rest is put in a later turn of
-    the loop (other tasks and timers run between). A step handed over meanwhile waits behind what is left, so each
-    sequence still gets its chunks in order."""
-
-    def __init__(self) -> None:
-        self._waiting: deque[tuple[SequenceHandle, TokenChunk | None]] = deque()
-        self._resuming = False  # a later turn is booked for what waits
-        self.deferred = 0  # turns that left chunks for a later one (stats and tests)
-
-    def give(self, items: Iterable[tuple[SequenceHandle, TokenChunk | None]]) -> None:
-        self._waiting.extend(items)
-        if not self._resuming:
-            self._put()
-
-    def _resume(self) -> None:
-        self._resuming = False
-        self._put()
-
-    def _put(self) -> None:
-        waiting = self._waiting
-        deadline = time.perf_counter() + HANDOUT_SLICE_SECONDS
-        while waiting:
-            handle, chunk = waiting.popleft()
-            handle.put(chunk)
-            if waiting and time.perf_counter() > deadline:
-                self._resuming = True
-                self.deferred += 1
-                trio.lowlevel.current_trio_token().run_sync_soon(self._resume)
-                return

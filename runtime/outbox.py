@@ -3,28 +3,23 @@
 The phases put each sequence's :class:`TokenChunk` (None: it failed, its handle's ``error`` says why) into the
 engine's :class:`Outbox`; :meth:`Outbox.flush` hands them over in **one** ``run_sync_soon`` crossing per trio
 run — the step's phase table says when (after the batch's tokens are read, as each prefilled group's first
-tokens are sampled, at the step's end) — to that run's :class:`runtime.handle.Handout` (in order, a slice of the
-event loop's time per turn). A follower rank's replicas have no trio run: rank 0 hands out their tokens.
+tokens are sampled, at the step's end). A follower rank's replicas have no trio run: rank 0 hands out their tokens.
 
 Never imports the engine.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import trio
 
 from protocols.ir import TokenChunk
-from runtime.handle import Handout, SequenceHandle
+from runtime.handle import SequenceHandle
 from runtime.sequence import Sequence
 
 
 class Outbox:
     def __init__(self) -> None:
         self._items: list[tuple[Sequence, TokenChunk | None]] = []
-        # One per trio run (its chunks in order), gone with the run.
-        self._handouts: weakref.WeakKeyDictionary[trio.lowlevel.TrioToken, Handout] = weakref.WeakKeyDictionary()
 
     def put(self, seq: Sequence, chunk: TokenChunk | None) -> None:
         self._items.append((seq, chunk))
@@ -43,10 +38,13 @@ class Outbox:
         for token, handed in by_token.items():
             if token is None:
                 continue  # a follower rank's replicas: rank 0 hands out the tokens
-            handout = self._handouts.get(token)
-            if handout is None:
-                handout = self._handouts[token] = Handout()
             try:
-                token.run_sync_soon(handout.give, handed)
+                token.run_sync_soon(_send_all, handed)
             except trio.RunFinishedError:
                 pass  # the server's trio run is gone; nobody is listening
+
+
+def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
+    """Runs in trio: one call per flush delivers every sequence's chunk."""
+    for handle, chunk in items:
+        handle.put(chunk)

@@ -34,7 +34,7 @@ from pydantic import Field
 
 from flow.graph.stage import Outbox, Step
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
-from runtime.handle import Handout, SequenceHandle
+from runtime.handle import SequenceHandle
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
 from stages.rows import EachPrompt, forward_rows
@@ -68,7 +68,6 @@ class EchoDevice:
     def __init__(self, step_seconds: float = 0.0) -> None:
         self.step_seconds = step_seconds
         self.rows: list[EchoRow] = []
-        self.handout = Handout()
         self.steps = 0
         self._stepping = False
 
@@ -83,21 +82,17 @@ class EchoDevice:
         return row
 
     def step(self) -> None:
-        """One step: a chunk for every live row, handed over as the engine hands its steps' chunks (a finish
-        closes a row's channel; a reader gone cancels it)."""
+        """One step: a chunk for every live row, handed to the rows' channels in one pass."""
         self.steps += 1
-        alive: list[EchoRow] = []
-        handed: list[tuple[SequenceHandle, TokenChunk | None]] = []
+        alive = []
         for row in self.rows:
             if row.finished:  # cancelled
                 row.end()
                 continue
-            chunk = row.next_chunk()
-            handed.append((row, chunk))
-            if chunk.finish_reason is None:
+            row.put(row.next_chunk())  # a finish closes its channel; a reader gone cancels it
+            if not row.finished:
                 alive.append(row)
         self.rows = alive
-        self.handout.give(handed)
 
     async def _run(self) -> None:
         try:
