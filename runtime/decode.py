@@ -73,9 +73,9 @@ class Decoder:
         inputs = batch.inputs
         assert inputs is not None
         # An input's index is its row's prompt and the tokens fed back before it (M-RoPE models' positions).
-        positions = self._passes.positions(batch.seqs, [len(s.prompt) + len(s.fed) for s in batch.seqs], 1)
+        positions = self._passes.decode_positions(batch.seqs, 1)
         lone = self._lone.views(batch.cache, len(batch.seqs), batch.layout)
-        logits, hidden = self._passes.run(inputs[:, None], lone or batch.cache, [s.adapters for s in batch.seqs],
+        logits, hidden = self._passes.run(inputs[:, None], lone or batch.cache, (s.adapters for s in batch.seqs),
                                           positions=positions)
         if lone is not None:
             self._lone.done(batch.cache, lone)

@@ -88,6 +88,13 @@ class ModelPasses:
             return mx.broadcast_to(grid[None], (3, len(ropes), length))
         return mx.stack([r.window(start, length) for r, start in zip(ropes, starts)], axis=1)
 
+    def decode_positions(self, rows: Sequence[Row], length: int) -> mx.array | CrossWindows | None:
+        """:meth:`positions` for a decode pass: each row's window from its next index on (its prompt and the tokens
+        fed back so far). Nothing is computed for a model with ordinary positions (every step, every row)."""
+        if not (self.mrope or self.cross):
+            return None
+        return self.positions(rows, [len(r.prompt) + len(r.fed) for r in rows], length)
+
     def rope(self, row: Row) -> RopePositions:
         """The row's 3-D positions, made from its prompt and images on first use (an M-RoPE model only)."""
         if row.rope is None:

@@ -120,7 +120,7 @@ class Speculator:
         window = mx.array([[v, *d, *([v] * (width - len(d)))] for v, d in zip(values, drafts)], dtype=mx.uint32)
         if self._recurrent is not None:
             self._recurrent.begin(batch.cache)
-        positions = self._passes.positions(batch.seqs, [len(s.prompt) + len(s.fed) for s in batch.seqs], width + 1)
+        positions = self._passes.decode_positions(batch.seqs, width + 1)
         logits, hidden = self._passes.run(window, batch.cache, [s.adapters for s in batch.seqs], positions=positions)
         if self._recurrent is not None:
             self._recurrent.end()
