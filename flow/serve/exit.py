@@ -27,6 +27,7 @@ server still sends the error frames that end the stream in the protocol's shape.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Protocol
 
@@ -84,7 +85,8 @@ class ResponseExit(RunExit):
         self.ended = trio.Event()  # the run sends nothing more
         self._writer: BodyWriter | None = None
         self._attached = trio.Event()
-        self._last_write = 0.0
+        self._closed = False  # ``ended`` is set (read per frame: a field, not the event's method)
+        self._last_write = 0.0  # time.perf_counter() of the last frame (per frame: no trio clock lookup)
         # Frames sent without waiting that are not on the wire yet, in order: (framed by write_now, bytes).
         self._pending: deque[tuple[bool, bytes]] = deque()
         self._writing = False  # the run's task is writing pending bytes
@@ -92,7 +94,7 @@ class ResponseExit(RunExit):
     def _take_first(self, frame: WireFrame) -> bool:
         """Whether ``frame`` is the first (kept for the HTTP app); a closed exit, or a frame after a whole
         response, raises as a closed channel would."""
-        if self.ended.is_set():
+        if self._closed:
             raise trio.ClosedResourceError("the run's exit is closed")
         self.sent += 1
         if self.first is None:
@@ -101,7 +103,7 @@ class ResponseExit(RunExit):
             return True
         if not self.first.streaming:
             raise trio.BrokenResourceError("the response was whole: nothing follows it")
-        self._last_write = trio.current_time()
+        self._last_write = time.perf_counter()
         return False
 
     async def send(self, frame: WireFrame) -> None:
@@ -119,7 +121,7 @@ class ResponseExit(RunExit):
 
     def ready(self) -> bool:
         first = self.first
-        return not self.ended.is_set() and (
+        return not self._closed and (
             first is None or (first.streaming and self._writer is not None and not self._pending
                               and not self._writing))
 
@@ -150,13 +152,14 @@ class ResponseExit(RunExit):
             self._writing = False
 
     def end(self) -> None:
+        self._closed = True
         self.started.set()
         self.ended.set()
 
     def attach(self, writer: BodyWriter) -> None:
         """The response head (and the first frame's bytes) are sent: later frames go to ``writer``."""
         self._writer = writer
-        self._last_write = trio.current_time()
+        self._last_write = time.perf_counter()
         self._attached.set()
 
     async def serve(self) -> None:
@@ -167,10 +170,10 @@ class ResponseExit(RunExit):
         if not first.keepalive or first.keepalive_seconds <= 0:
             await self.ended.wait()
         while not self.ended.is_set():
-            with trio.move_on_at(self._last_write + first.keepalive_seconds):
+            with trio.move_on_after(self._last_write + first.keepalive_seconds - time.perf_counter()):
                 await self.ended.wait()
-            if not self.ended.is_set() and trio.current_time() - self._last_write >= first.keepalive_seconds:
-                self._last_write = trio.current_time()
+            if not self.ended.is_set() and time.perf_counter() - self._last_write >= first.keepalive_seconds:
+                self._last_write = time.perf_counter()
                 if self._pending or self._writing:
                     continue  # bytes are on their way: the stream is not quiet
                 await writer.write(first.keepalive)

@@ -81,3 +81,22 @@ def test_what_the_run_leaves_unwritten_is_written_when_it_ends() -> None:
         assert connection.wire == b"last;"
 
     trio.run(main)
+
+
+def test_a_quiet_stream_gets_its_keepalive_and_a_frame_puts_it_off() -> None:
+    async def main() -> None:
+        exit = ResponseExit()
+        exit.send_now(WireFrame(b"head;", streaming=True, keepalive=b"ping;", keepalive_seconds=0.5))
+        connection = Connection()
+        exit.attach(connection)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(exit.serve)
+            for _ in range(4):  # a frame every 0.05 s: never quiet for 0.5 s
+                await trio.sleep(0.05)
+                exit.send_now(WireFrame(b"tok;"))
+            assert b"ping" not in connection.wire
+            await trio.sleep(1.2)  # quiet: a keepalive every 0.5 s
+            exit.end()
+        assert connection.wire.startswith(b"tok;tok;tok;tok;ping;") and 1 <= connection.wire.count(b"ping;") <= 2
+
+    trio.run(main)
