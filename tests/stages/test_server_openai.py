@@ -146,6 +146,31 @@ def test_seed_makes_sampling_reproducible(qwen3_server: RunningServer) -> None:
     assert streamed == a
 
 
+def test_a_short_prompt_is_prepared_on_the_loop_and_a_long_one_on_a_worker(
+        qwen3_server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """chat.prepare templates and tokenizes a short text prompt on the event loop (a worker thread's round trip
+    costs more than the work) and anything larger on a worker; the answers are mlx-lm's either way."""
+    import trio
+
+    from stages.chat import INLINE_PROMPT_CHARS, ChatPrepare
+
+    on_loop: list[bool] = []
+    prepare = ChatPrepare.prepare
+
+    def recording(self: ChatPrepare, *args: Any, **kwargs: Any) -> Any:
+        on_loop.append(trio.lowlevel.in_trio_run())
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatPrepare, "prepare", recording)
+    c = client(qwen3_server)
+    short = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+    long = [{"role": "user", "content": "a lighthouse keeper " * (INLINE_PROMPT_CHARS // 20 + 1)}]
+    for messages in (short, long):
+        answer = c.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        assert answer.choices[0].message.content == reference_text(qwen3_server, messages, 8)
+    assert on_loop == [True, False]
+
+
 def test_sixteen_concurrent_streams_complete_correctly(qwen3_server: RunningServer) -> None:
     c = client(qwen3_server)
     prompts = [[{"role": "user", "content": f"Count to {i} and then say why."}] for i in range(16)]
