@@ -41,6 +41,7 @@ from protocols.limits import ModelLimits, message_chars, validate_request
 from protocols.parsers import REASONING_PARSERS, StreamParser, make_response_parser
 from protocols.stops import StopMatcher
 from stages.images import DecodedImages, ImagePolicy, PixelBudget, load_images
+from stages.loop_share import LoopShare
 from stages.model_stage import ModelStage
 from stages.prompt_tokens import PROMPT_TOKENS
 from stages.templating import template_inputs
@@ -109,8 +110,9 @@ def turn_point(tokenizer: Any, request: ChatRequest, family: Family, text: str, 
     return len(ids) - len(tail) if tail and len(tail) < len(ids) and ids[-len(tail):] == tail else None
 
 
-# A prompt this short (messages' characters, no tools, no images) is templated and tokenized on the event loop: well
-# under a millisecond, where a worker thread's round trip costs ~0.2 ms of CPU and as much of its time to first token.
+# A prompt this short (messages' characters, no tools, no images) is templated and tokenized on the event loop (within a
+# share of its time: stages/loop_share.py): well under a millisecond, where a worker thread's round trip costs ~0.2 ms
+# of CPU and as much of its time to first token.
 INLINE_PROMPT_CHARS = 1024
 
 PROBE = "\u2063probe\u2063"  # a user message no real one begins with (invisible separators around a word)
@@ -184,6 +186,7 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
         self._stop_ids: dict[str, frozenset[int]] = {}
         self._decoded = DecodedImages()  # the screenshot a conversation resends each turn is decoded once
         self._pixels = PixelBudget(self.config.images.max_inflight_pixels)  # type: ignore[attr-defined]
+        self._on_loop = LoopShare()  # short prompts prepared on the event loop, within a share of its time
 
     def stop_ids(self, model: str, tokenizer: Any) -> frozenset[int]:
         """The tokenizer's end tokens plus the configured extra ones (resolved once per model)."""
@@ -357,8 +360,9 @@ class ChatPrepare(ModelStage[ChatRequest, PreparedPrompt]):
             if resource.kind == "vision" and any(m.images for m in request.messages):
                 images = await load_images(request.messages, self.config.images,  # type: ignore[attr-defined]
                                            self._decoded, pixels)
-            if not images and short_prompt(request):
-                return self.prepare(request, images)
+            if not images and short_prompt(request) and self._on_loop.available():
+                with self._on_loop.spending():
+                    return self.prepare(request, images)
             # Templating and tokenizing an agent-sized prompt (and an image's pixels) takes milliseconds: keep
             # it off the event loop.
             return await trio.to_thread.run_sync(self.prepare, request, images)
