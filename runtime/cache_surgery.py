@@ -175,22 +175,22 @@ class LoneRowViews:
         """The layer list the pass runs on, or None (not one unpadded row: run on ``cache`` itself)."""
         if rows != 1:
             return None
-        full = [c for c in cache if type(c) is BatchKVCache and c.keys is not None]
-        if not full:
-            return None
-        if self._checked is None or self._checked[0] != layout:
-            self._checked = (layout, full[0].left_padding.tolist() == [0])
-        if not self._checked[1]:
-            return None
         views: list[Any] = []
+        viewed = False
         for layer in cache:
-            if type(layer) is BatchKVCache and layer.keys is not None:
-                view = KVCache()
-                view.keys, view.values, view.offset = layer.keys, layer.values, layer._idx
-                views.append(view)
-            else:
+            if type(layer) is not BatchKVCache or layer.keys is None:
                 views.append(layer)
-        return views
+                continue
+            if not viewed:
+                viewed = True
+                if self._checked is None or self._checked[0] != layout:
+                    self._checked = (layout, layer.left_padding.tolist() == [0])
+                if not self._checked[1]:
+                    return None
+            view = KVCache()
+            view.keys, view.values, view.offset = layer.keys, layer.values, layer._idx
+            views.append(view)
+        return views if viewed else None
 
     @staticmethod
     def done(cache: list[Any], views: list[Any]) -> None:

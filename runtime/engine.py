@@ -86,7 +86,7 @@ from runtime.outbox import Outbox
 from runtime.pass_cost import PassCost
 from runtime.passes import ModelPasses
 from runtime.prefill import Prefill
-from runtime.prefix_audit import AuditOutcome, PrefixAuditor, verify_prompt
+from runtime.prefix_audit import PrefixAuditor
 from runtime.prefix_cache import PrefixCache, PrefixHit, layer_windows
 from runtime.prefix_keeper import PrefixKeeper
 from runtime.replication import (

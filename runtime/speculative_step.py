@@ -121,7 +121,8 @@ class Speculator:
         if self._recurrent is not None:
             self._recurrent.begin(batch.cache)
         positions = self._passes.decode_positions(batch.seqs, width + 1)
-        logits, hidden = self._passes.run(window, batch.cache, [s.adapters for s in batch.seqs], positions=positions)
+        logits, hidden = self._passes.run(window, batch.cache, (s.adapters for s in batch.seqs),
+                                          positions=positions)
         if self._recurrent is not None:
             self._recurrent.end()
         launched = time.perf_counter()

@@ -158,8 +158,8 @@ def profile(server: Server, out: Path, cell: tuple[str, str, int], args: argpars
         return "py-spy is not installed (pip install py-spy)"
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"{server.label}.speedscope.json"
-    recorder = subprocess.Popen([spy, "record", "--pid", str(server.proc.pid), "--rate", str(args.profile_rate), "--nonblocking",
-                                 "--format", "speedscope", "--output", str(target)],
+    recorder = subprocess.Popen([spy, "record", "--pid", str(server.proc.pid), "--rate", str(args.profile_rate),
+                                 "--nonblocking", "--format", "speedscope", "--output", str(target)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)  # py-spy attaches
     protocol, mode, level = cell

@@ -373,9 +373,10 @@ def short_prompt(request: ChatRequest) -> bool:
     (:data:`INLINE_PROMPT_CHARS`): text messages without tools, or a short raw prompt."""
     if request.tools:
         return False
-    if request.prompt is not None:
-        return len(request.prompt) <= INLINE_PROMPT_CHARS // 4 if isinstance(request.prompt, tuple) \
-            else len(request.prompt) <= INLINE_PROMPT_CHARS
+    if isinstance(request.prompt, tuple):  # token ids: decoded to text (a few characters each)
+        return len(request.prompt) <= INLINE_PROMPT_CHARS // 4
+    if isinstance(request.prompt, str):
+        return len(request.prompt) <= INLINE_PROMPT_CHARS
     total = 0
     for message in request.messages:
         if message.images:
