@@ -455,8 +455,11 @@ class _Processing(Step[Generation, StreamEvent]):
         request = self.request
         if request is None or request.load_only or not isinstance(item, TokenChunk):
             raise NotNow  # the header, or a load-only answer: fed by the task
-        for event in self._chunk_events(item):
+        choice = self.choices[item.choice]  # (as _chunk_events: per token, one call less)
+        for event in choice.feed(item):
             out.send_now(event)
+        if choice.done:
+            self.running -= 1
         return self.running > 0
 
     def _chunk_events(self, chunk: TokenChunk) -> list[StreamEvent]:

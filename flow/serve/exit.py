@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -84,6 +85,7 @@ class ResponseExit(RunExit):
         self.started = trio.Event()  # the first frame is here, or the run ended without one
         self.ended = trio.Event()  # the run sends nothing more
         self._writer: BodyWriter | None = None
+        self._write_now: Callable[[bytes], bytes | None] | None = None  # the writer's, bound once it is attached
         self._attached = trio.Event()
         self._closed = False  # ``ended`` is set (read per frame: a field, not the event's method)
         self._last_write = 0.0  # time.perf_counter() of the last frame (per frame: no trio clock lookup)
@@ -126,12 +128,17 @@ class ResponseExit(RunExit):
                               and not self._writing))
 
     def send_now(self, frame: WireFrame) -> None:
-        if self._take_first(frame):
-            return
-        if self._pending or self._writer is None:
+        write_now = self._write_now
+        if write_now is None or self._pending or self._closed:  # not attached yet, bytes ahead of it, or ended
+            if self._take_first(frame):
+                return
             self._pending.append((False, frame.data))
             return
-        left = self._writer.write_now(frame.data)
+        # Per streamed token: a frame of a stream under way (only a stream's head attaches a writer), as
+        # _take_first would count it, straight to the writer's own method.
+        self.sent += 1
+        self._last_write = time.perf_counter()
+        left = write_now(frame.data)
         if left is None:
             self._pending.append((False, frame.data))
         elif left:
@@ -159,6 +166,7 @@ class ResponseExit(RunExit):
     def attach(self, writer: BodyWriter) -> None:
         """The response head (and the first frame's bytes) are sent: later frames go to ``writer``."""
         self._writer = writer
+        self._write_now = writer.write_now
         self._last_write = time.perf_counter()
         self._attached.set()
 

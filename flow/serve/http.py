@@ -21,6 +21,7 @@ import functools
 import logging
 import uuid
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -43,6 +44,11 @@ log = logging.getLogger("flow.serve.http")
 
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
+def _no_direct_write(data: bytes) -> None:
+    """Where the connection has no direct writer: a piece always takes the awaited path."""
+    return None
+
+
 @dataclass
 class _RequestIO:
     """What a request's view needs from its ASGI call: the run scopes it started (cancelled when the call
@@ -60,10 +66,12 @@ class _RequestIO:
         """One piece of a streaming response's body, straight to the connection (flow.serve.exit)."""
         await self.send({"type": "http.response.body", "body": data, "more_body": True})
 
-    def write_now(self, data: bytes) -> bytes | None:
-        """A piece written without awaiting, where hypercorn's connection allows it (flow.serve.hypercorn_fixes)."""
+    @property
+    def write_now(self) -> Callable[[bytes], bytes | None]:
+        """Writes a piece without awaiting, where hypercorn's connection allows it (flow.serve.hypercorn_fixes):
+        the direct writer's own method, which the exit binds once per response (no layer per token)."""
         direct = self.direct
-        return None if direct is None else direct.write_now(data)
+        return _no_direct_write if direct is None else direct.write_now
 
     async def write_raw(self, data: bytes) -> None:
         assert self.direct is not None  # only what write_now began comes here

@@ -142,19 +142,28 @@ class DirectWriter:
         self._stream = stream  # hypercorn's HTTPStream: its ASGI state
         self._protocol = protocol  # H11Protocol: the h11 connection and how this response is framed
         self._server = server  # TCPServer: the socket and its send lock
+        self._lock = server.send_lock
+        # The socket itself (plain TCP), or None (TLS: always hypercorn's path). Its descriptor is read per
+        # piece: a closed socket's is -1 (the write fails), never a number another connection may reuse.
+        self._socket = server.stream.socket if isinstance(server.stream, trio.SocketStream) else None
 
     def write_now(self, data: bytes) -> bytes | None:
         """Frame ``data`` as a chunk and send what the socket takes now: the framed bytes it did not take, or
-        ``None`` (nothing written) when this response cannot be written to directly now."""
+        ``None`` (nothing written) when this response cannot be written to directly now.
+
+        Per streamed token: :func:`_chunk` and :func:`_send_now` in one frame of Python."""
         protocol = self._protocol
-        if (self._stream.closed or not protocol.__dict__.get("_flow_chunked")
-                or protocol.connection.our_state is not h11.SEND_BODY):
+        if (self._stream.closed or self._socket is None or self._lock.locked()
+                or not protocol.__dict__.get("_flow_chunked") or protocol.connection.our_state is not h11.SEND_BODY):
             return None
         if not data:
             return b""
-        framed = _chunk(data)
-        sent = _send_now(self._server, framed)
-        return None if sent is None else framed[sent:]
+        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        try:
+            sent = os.write(self._socket.fileno(), framed)
+        except OSError:
+            sent = 0  # EAGAIN, or a broken or closed connection: hypercorn's path finds out which
+        return framed[sent:]
 
     async def write_raw(self, data: bytes) -> None:
         await self._server.protocol_send(RawData(data=data))
