@@ -726,7 +726,10 @@ class ResultBuilder:
         if isinstance(event, ResponseStarted):
             self.started = event
         else:
-            self.choices.setdefault(event.choice, _ChoiceBuilder()).add(event)
+            choice = self.choices.get(event.choice)
+            if choice is None:  # (not setdefault: that would build a builder per event)
+                choice = self.choices[event.choice] = _ChoiceBuilder()
+            choice.add(event)
 
     @property
     def finished(self) -> ResponseFinished | None:

@@ -7,7 +7,7 @@ import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import trio
 from jinja2 import TemplateError
@@ -38,7 +38,7 @@ from protocols.ir import (
     Usage,
 )
 from protocols.limits import ModelLimits, message_chars, validate_request
-from protocols.parsers import REASONING_PARSERS, StreamParser, make_response_parser
+from protocols.parsers import REASONING_PARSERS, ResponseParser, make_response_parser
 from protocols.stops import StopMatcher
 from stages.images import DecodedImages, ImagePolicy, PixelBudget, load_images
 from stages.loop_share import LoopShare
@@ -387,7 +387,7 @@ def short_prompt(request: ChatRequest) -> bool:
     return True
 
 
-def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> StreamParser | None:
+def response_parser(request: ChatRequest, family: Family, prompt_text: str) -> ResponseParser | None:
     """The family's parsers for one chat response; raw completions are returned as written."""
     if request.prompt is not None:
         return None
@@ -502,7 +502,7 @@ class _ChoiceStream:
     """One choice's output: detokenized (multi-byte safe), stop strings matched with hold-back, parsed into
     content, reasoning and tool calls, finished with its usage."""
 
-    def __init__(self, header: GenerationStarted, tokenizer: Any, parser: StreamParser | None, choice: int) -> None:
+    def __init__(self, header: GenerationStarted, tokenizer: Any, parser: ResponseParser | None, choice: int) -> None:
         self.header = header
         self.request = header.prompt.request
         self.tokenizer = tokenizer
@@ -510,6 +510,9 @@ class _ChoiceStream:
         self.stops = StopMatcher(self.request.stop)
         self.parser = parser
         self.choice = choice
+        # The parser's events go out as they are: the first choice's (no index to set) and never a call (none
+        # to count or hold back).
+        self.as_parsed = choice == 0 and (parser is None or parser.no_calls)
         self.calls = 0
         self.completion_tokens = 0
         self.done = False
@@ -537,13 +540,17 @@ class _ChoiceStream:
                 events = [*events, *self.parser.finish()]
             if logprobs:
                 events = [*events, TextDelta("", logprobs)]
-        out: list[StreamEvent] = []
-        for event in events:
-            if isinstance(event, ToolCallDelta):
-                if event.index > 0 and not request.parallel_tool_calls:
-                    continue  # the client asked for one call at a time
-                self.calls = max(self.calls, event.index + 1)
-            out.append(replace(event, choice=self.choice) if self.choice else event)
+        out: list[StreamEvent]
+        if self.as_parsed:  # per token: the list itself (built afresh for this chunk: ours to append to)
+            out = cast(list[StreamEvent], events)
+        else:
+            out = []
+            for event in events:
+                if isinstance(event, ToolCallDelta):
+                    if event.index > 0 and not request.parallel_tool_calls:
+                        continue  # the client asked for one call at a time
+                    self.calls = max(self.calls, event.index + 1)
+                out.append(replace(event, choice=self.choice) if self.choice else event)
         if finish is not None:
             if self.calls and finish == "stop":
                 finish = "tool_calls"

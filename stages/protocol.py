@@ -256,8 +256,11 @@ class _Formatting(Step[StreamEvent, WireFrame]):
 
     def feed_now(self, event: StreamEvent, out: Outbox[WireFrame]) -> bool:
         encoder = self.encoder
-        if encoder is not None and not self.keeps_result and not isinstance(event, ResponseFinished):
-            # Per token, a stream's delta: nothing to fold (_fold keeps only the finish), its frame at once.
+        if encoder is not None and not isinstance(event, ResponseFinished):
+            # Per token, a stream's delta: folded only for a stage that keeps the result (as _fold), its frame
+            # at once.
+            if self.keeps_result:
+                self.builder.add(event)
             frames = encoder.encode(event)
             if frames:
                 out.send_now(WireFrame(frames[0] if len(frames) == 1 else b"".join(frames)))

@@ -194,15 +194,22 @@ class ResponseParser(StreamParser):
     def __init__(self, reasoning: StreamParser | None = None, tools: StreamParser | None = None) -> None:
         self.reasoning = reasoning if reasoning is not None else NullReasoningParser()
         self.tools = tools if tools is not None else NullToolParser()
+        # No tools parser: what comes out is the reasoning parser's text and reasoning, never a call.
+        self.no_calls = type(self.tools) is NullToolParser
 
     def feed(self, text: str) -> list[Event]:
-        return self._through_tools(self.reasoning.feed(text))
+        events = self.reasoning.feed(text)
+        if self.no_calls and len(events) == 1:  # per token: one piece, passed on as it is unless empty text
+            event = events[0]
+            if type(event) is not TextDelta or event.text:
+                return events
+        return self._through_tools(events)
 
     def finish(self) -> list[Event]:
         return [*self._through_tools(self.reasoning.finish()), *self.tools.finish()]
 
     def _through_tools(self, events: list[Event]) -> list[Event]:
-        if type(self.tools) is NullToolParser:  # no tools: the text is content as it is (per token: no copy)
+        if self.no_calls:  # no tools: the text is content as it is (per token: no copy)
             return [event for event in events if not isinstance(event, TextDelta) or event.text]
         out: list[Event] = []
         for event in events:
