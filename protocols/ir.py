@@ -680,7 +680,8 @@ class _ChoiceBuilder:
     def add(self, event: StreamEvent) -> None:
         if isinstance(event, TextDelta):
             self.text.append(event.text)
-            self.logprobs.extend(event.logprobs)
+            if event.logprobs:
+                self.logprobs.extend(event.logprobs)
             self._run(TextRun, event.text)
         elif isinstance(event, ReasoningDelta):
             self.reasoning.append(event.text)

@@ -29,6 +29,7 @@ name from elsewhere: they check the key, not the host.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 from collections.abc import Iterable
@@ -41,6 +42,7 @@ UNGUARDED_PATHS = frozenset({"/health"})  # readiness probes carry no key
 JSON_BODIES = frozenset({"application/json"})
 
 
+@functools.lru_cache(maxsize=256)  # per request, and clients name few hosts (a bounded cache: a client cannot grow it)
 def is_loopback(host: str) -> bool:
     """``host`` (a name or an address, without port) is this machine's loopback."""
     name = host.strip().strip("[]").lower().rstrip(".")
