@@ -181,6 +181,7 @@ def create_app(server: FlowServer) -> QuartTrio:
             response = shell_error(request.path, error, close=True)
             response.headers["allow"] = ", ".join(missing.allowed)
             return response
+        await server.pacer.turn()  # a wave of requests is read and started a few per turn (flow.serve.pacing)
         body = await request.get_data(cache=False, as_text=False)
         assert isinstance(body, bytes)
         http = HttpRequest(

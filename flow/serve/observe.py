@@ -24,6 +24,7 @@ from flow.graph.metrics import Metric, Registry
 from flow.resources.model import ModelResource
 from flow.serve.live import LiveGraph
 from flow.serve.loop_watch import LoopWatch
+from flow.serve.pacing import TurnPacer
 from runtime.device import shared_device
 
 
@@ -32,6 +33,7 @@ class ObservedServer(Protocol):
 
     live: LiveGraph
     loop_watch: LoopWatch
+    pacer: TurnPacer
     started: bool
     started_at: float
     requests_total: int
@@ -134,7 +136,8 @@ class Observer:
             "models": {m["id"]: m for m in health["models"]},
             "resources": {rid: numbers for rid, numbers in stats.items() if numbers is not None},
             "device": shared_device().stats_json(),
-            "event_loop": self.server.loop_watch.json(),
+            "event_loop": {**self.server.loop_watch.json(), "paced_per_turn": self.server.pacer.per_turn,
+                           "paced_requests": self.server.pacer.paced},
             "edges": {f"{src} -> {dst}": {"items": e.items, "full": e.full, "streams": e.streams,
                                           "queued": stages[dst].queued if dst in stages else 0,
                                           "inline": (src, dst) in inline}

@@ -45,6 +45,7 @@ from flow.serve.guard import Guard
 from flow.serve.live import Generation, LiveGraph, ReloadRefused, ReloadReport
 from flow.serve.loop_watch import LoopWatch
 from flow.serve.observe import Observer, RecentRequest
+from flow.serve.pacing import TurnPacer
 from protocols.errors import ApiError
 from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
@@ -102,6 +103,7 @@ class FlowServer:
                  loader: GraphLoader | None = None) -> None:
         self.device = device or shared_device()
         self.live = LiveGraph(graph, self.device)
+        self.pacer = TurnPacer()  # a wave of requests starts a few per turn of the loop (flow.serve.pacing)
         self.loader = loader  # compiles the graph again for a reload (None: reload is off)
         self._first = graph
         self.bind_host = graph.spec.server.host  # the host actually bound (set by serve)
@@ -275,6 +277,7 @@ class FlowServer:
         first = exit.first
         if first is None:
             raise RuntimeError(f"request {http.request_id}: the run ended without a response")
+        await self.pacer.turn()  # the response (a whole body, or a stream's head) goes out a few per turn
         self.observer.first_byte.observe(time.perf_counter() - started, route=route)
         self.observer.requests.inc(route=route, status=str(first.status))
         record.first_byte(first.status, round((time.perf_counter() - started) * 1000, 1))

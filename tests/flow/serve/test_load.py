@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from flow.builtins import compile_tables
+from flow.serve.pacing import PER_TURN
 from tests.harness import RunningServer, running_server, tables_with_model
 
 CLIENTS = 64
@@ -264,8 +265,12 @@ def test_64_concurrent_streams_across_protocols_all_complete(server: RunningServ
 
 
 def test_burst_of_short_requests_is_answered_or_refused_properly(server: RunningServer) -> None:
-    """500 requests, 64 at a time, each on a new connection: every one a 200 or a proper 429, none dropped."""
+    """500 requests, 64 at a time, each on a new connection: every one a 200 or a proper 429, none dropped. The
+    pacer lets one request a turn of the loop begin (flow.serve.pacing): the others wait their turns, and still
+    every answer is right."""
     before = server.engine_stats()
+    pacer = server.server.pacer
+    paced_before, pacer.per_turn = pacer.paced, 1
     body = {"model": "tiny", "messages": messages(PROMPTS[1]), "max_tokens": 1, "temperature": 0}
 
     def one(_: int) -> tuple[int, dict[str, str], str]:
@@ -275,8 +280,13 @@ def test_burst_of_short_requests_is_answered_or_refused_properly(server: Running
             return 0, {}, f"{type(exc).__name__}: {exc}"
         return r.status_code, dict(r.headers), r.text
 
-    with concurrent.futures.ThreadPoolExecutor(64) as pool:
-        answers = list(pool.map(one, range(500)))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            answers = list(pool.map(one, range(500)))
+    finally:
+        pacer.per_turn = PER_TURN
+    paced = httpx.get(server.base_url + "/stats", timeout=30).json()["event_loop"]["paced_requests"] - paced_before
+    assert paced > 0, "no request waited for a later turn: the test did not reach the pacer"
     bad = [f"#{i}: {status} {text[:200]}" for i, (status, _, text) in enumerate(answers) if status not in (200, 429)]
     assert not bad, f"{len(bad)} of 500 requests were dropped or failed:\n" + "\n".join(bad[:20])
     for i, (status, headers, text) in enumerate(answers):
