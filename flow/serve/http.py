@@ -20,8 +20,8 @@ import contextvars
 import functools
 import logging
 import uuid
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -43,6 +43,7 @@ from protocols.sse import dumps
 log = logging.getLogger("flow.serve.http")
 
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
 
 def _no_direct_write(data: bytes) -> None:
     """Where the connection has no direct writer: a piece always takes the awaited path."""
