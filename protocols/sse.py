@@ -66,15 +66,8 @@ class FrameTemplate:
 
     def __call__(self, *values: str | int) -> bytes:
         pieces = self._pieces
-        if len(values) == 1 == len(pieces) - 1:  # per token: orjson itself (dumps's fallback for what it refuses)
-            value = values[0]
-            try:
-                encoded = orjson.dumps(value)
-            except TypeError:
-                encoded = dumps(value)
-            return pieces[0] + encoded + pieces[1]
-        if len(values) == 2 == len(pieces) - 1:  # e.g. a number and a text (the Responses API's deltas)
-            return pieces[0] + dumps(values[0]) + pieces[1] + dumps(values[1]) + pieces[2]
+        if len(values) == 1:
+            return pieces[0] + dumps(values[0]) + pieces[1]
         out = [pieces[0]]
         for value, piece in zip(values, pieces[1:], strict=True):
             out += (dumps(value), piece)

@@ -455,11 +455,8 @@ class _Processing(Step[Generation, StreamEvent]):
         request = self.request
         if request is None or request.load_only or not isinstance(item, TokenChunk):
             raise NotNow  # the header, or a load-only answer: fed by the task
-        choice = self.choices[item.choice]  # (as _chunk_events: per token, one call less)
-        for event in choice.feed(item):
+        for event in self._chunk_events(item):
             out.send_now(event)
-        if choice.done:
-            self.running -= 1
         return self.running > 0
 
     def _chunk_events(self, chunk: TokenChunk) -> list[StreamEvent]:

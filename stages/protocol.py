@@ -255,16 +255,6 @@ class _Formatting(Step[StreamEvent, WireFrame]):
         return True
 
     def feed_now(self, event: StreamEvent, out: Outbox[WireFrame]) -> bool:
-        encoder = self.encoder
-        if encoder is not None and not isinstance(event, ResponseFinished):
-            # Per token, a stream's delta: folded only for a stage that keeps the result (as _fold), its frame
-            # at once.
-            if self.keeps_result:
-                self.builder.add(event)
-            frames = encoder.encode(event)
-            if frames:
-                out.send_now(WireFrame(frames[0] if len(frames) == 1 else b"".join(frames)))
-            return True
         if not self.started or (self.keeps_result and self.encoder is not None
                                 and isinstance(event, ResponseFinished)):
             raise NotNow  # the header, or the end of a streamed result the stage keeps (``finished`` awaits)

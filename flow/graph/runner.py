@@ -104,10 +104,7 @@ class InlineOutbox(Outbox[Any]):
         return self._takes_now and not self._done and not self._backlog and self._downstream.ready()
 
     def send_now(self, item: Any) -> None:
-        if self._done:  # (as _count: per token, inline)
-            raise trio.BrokenResourceError("the consumer takes no more items")
-        self.sent += 1
-        self._edge.items += 1
+        self._count()
         if self._backlog:  # behind an item that waits for the task (downstream keeps its own order)
             self._backlog.append(item)
             return

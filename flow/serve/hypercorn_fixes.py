@@ -93,7 +93,7 @@ def _send_now(server: Any, data: bytes) -> int | None:
 
 def _chunk(data: bytes) -> bytes:
     """``data`` framed as one chunk of a chunked body, as h11's ``ChunkedWriter`` frames it."""
-    return b"%x\r\n" % len(data) + data + b"\r\n"
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 async def _protocol_send(self: Any, event: Event) -> None:
@@ -149,16 +149,15 @@ class DirectWriter:
 
     def write_now(self, data: bytes) -> bytes | None:
         """Frame ``data`` as a chunk and send what the socket takes now: the framed bytes it did not take, or
-        ``None`` (nothing written) when this response cannot be written to directly now.
-
-        Per streamed token: :func:`_chunk` and :func:`_send_now` in one frame of Python."""
+        ``None`` (nothing written) when this response cannot be written to directly now. (Per streamed token:
+        :func:`_send_now`'s checks and write with the socket and its lock looked up once per response.)"""
         protocol = self._protocol
         if (self._stream.closed or self._socket is None or self._lock.locked()
                 or not protocol.__dict__.get("_flow_chunked") or protocol.connection.our_state is not h11.SEND_BODY):
             return None
         if not data:
             return b""
-        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        framed = _chunk(data)
         try:
             sent = os.write(self._socket.fileno(), framed)
         except OSError:

@@ -198,18 +198,15 @@ class ResponseParser(StreamParser):
         self.no_calls = type(self.tools) is NullToolParser
 
     def feed(self, text: str) -> list[Event]:
-        events = self.reasoning.feed(text)
-        if self.no_calls and len(events) == 1:  # per token: one piece, passed on as it is unless empty text
-            event = events[0]
-            if type(event) is not TextDelta or event.text:
-                return events
-        return self._through_tools(events)
+        return self._through_tools(self.reasoning.feed(text))
 
     def finish(self) -> list[Event]:
         return [*self._through_tools(self.reasoning.finish()), *self.tools.finish()]
 
     def _through_tools(self, events: list[Event]) -> list[Event]:
-        if self.no_calls:  # no tools: the text is content as it is (per token: no copy)
+        if self.no_calls:  # no tools: the text is content as it is (per token: the list itself, unless empty text)
+            if all(not isinstance(event, TextDelta) or event.text for event in events):
+                return events
             return [event for event in events if not isinstance(event, TextDelta) or event.text]
         out: list[Event] = []
         for event in events:
