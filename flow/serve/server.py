@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,10 +77,10 @@ def shutting_down() -> ApiError:
 @dataclass(frozen=True)
 class Answer:
     """What a request is answered with: its first frame (status, headers, the body or its first bytes) and,
-    for a stream, the rest of the body. The HTTP app makes it a response."""
+    for a stream, the rest of the body. The HTTP app (flow.serve.graph_routes) sends it."""
 
     first: WireFrame
-    body: AsyncIterator[bytes] | None = None  # for a stream: yields the first frame, then the run writes the rest
+    body: AsyncGenerator[bytes, None] | None = None  # for a stream: yields the first frame, then the run writes the rest
 
 
 @dataclass
@@ -284,7 +284,7 @@ class FlowServer:
         if not first.streaming:
             return Answer(first)
 
-        async def body() -> AsyncIterator[bytes]:
+        async def body() -> AsyncGenerator[bytes, None]:
             try:
                 yield first.data
                 exit.attach(writer)  # the head and the first bytes are sent: the run writes the rest itself

@@ -170,22 +170,23 @@ def own_server(tiny_qwen3: Path) -> Iterator[RunningServer]:
 
 def test_a_stream_left_before_its_body_began_is_cancelled(own_server: RunningServer,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The view has its first frame and returns the streaming response; the client leaves before Quart sends
-    the head (its send is held here until the disconnect cancels it, as a lagging event loop would). The
-    body iterator, whose ``finally`` cancels the run, never starts: the run must end all the same."""
-    import quart_trio.asgi
+    """The run has sent its first frame and the stream's answer is ready; the client leaves before the head
+    is sent (the send is held here until the disconnect cancels it, as a lagging event loop would). The body
+    iterator, whose ``finally`` cancels the run, never starts: the run must end all the same."""
     import trio
 
-    holding = threading.Event()
-    send_response = quart_trio.asgi.TrioASGIHTTPConnection._send_response
+    from flow.serve import graph_routes
 
-    async def held_send(self: Any, send: Any, response: Any) -> None:
-        if self.scope["path"] == "/v1/chat/completions":
+    holding = threading.Event()
+    answer = graph_routes._Reply.answer
+
+    async def held_answer(self: Any, reply: Any) -> None:
+        if reply.body is not None:
             holding.set()
             await trio.sleep_forever()  # until the client's disconnect cancels the request
-        await send_response(self, send, response)
+        await answer(self, reply)
 
-    monkeypatch.setattr(quart_trio.asgi.TrioASGIHTTPConnection, "_send_response", held_send)
+    monkeypatch.setattr(graph_routes._Reply, "answer", held_answer)
     before = own_server.engine_stats()
     sock = connect(own_server, "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1000,
