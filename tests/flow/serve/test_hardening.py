@@ -33,7 +33,8 @@ def server(tiny_qwen3: Path) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def keyed(tiny_qwen3: Path) -> Iterator[RunningServer]:
     tables = tables_with_model(tiny_qwen3)
-    tables["server"] = {"api_key": "s3cret", "idle_timeout_seconds": 2}
+    tables["server"] = {"api_key": "s3cret", "idle_timeout_seconds": 2, "body_timeout_seconds": 2,
+                        "max_body_bytes": 65536}
     with running_server(compile_tables(tables, "hardening-keyed")) as running:
         yield running
 
@@ -279,6 +280,46 @@ def test_content_length_with_transfer_encoding_is_refused_and_closed(server: Run
                + hex(len(body))[2:].encode() + b"\r\n" + body + b"\r\n0\r\n\r\n")
     received = raw_exchange(server, request)
     assert received.startswith(b"HTTP/1.1 400") and received.count(b"HTTP/1.1") == 1
+
+
+KEYED_HEAD = (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"x-api-key: s3cret\r\n%s\r\n")
+
+
+def refusal(received: bytes) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of the one response in ``received``, which must close the connection."""
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert received.count(b"HTTP/1.1 ") == 1 and b"connection: close" in head.lower(), received[:400]
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_body_slower_than_its_deadline_is_refused_in_the_route_shape(keyed: RunningServer) -> None:
+    """body_timeout_seconds = 2 here: part of a body, then nothing. The answer is the route's protocol's
+    invalid-request error (neither API has a status of its own for a slow client)."""
+    body = json.dumps(B).encode()
+    head = KEYED_HEAD % (b"/v1/messages", b"Content-Length: %d\r\n" % len(body))
+    started = time.monotonic()
+    status, payload = refusal(raw_exchange(keyed, head + body[:10], read_for=15))
+    assert status == 400 and time.monotonic() - started < 9
+    assert payload["type"] == "error" and "did not arrive within 2 seconds" in payload["error"]["message"]
+
+
+def test_a_chunked_body_past_the_limit_is_a_413_without_reading_the_rest(keyed: RunningServer) -> None:
+    """No Content-Length to refuse it by: the body is counted as it comes (max_body_bytes = 65536 here)."""
+    piece = b"x" * 30000
+    chunks = [b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(4)]
+    head = KEYED_HEAD % (b"/v1/chat/completions", b"Transfer-Encoding: chunked\r\n")
+    status, payload = refusal(raw_exchange(keyed, head, *chunks, gap=0.05))
+    assert status == 413 and "larger than 65536 bytes, the server's max_body_bytes" in payload["error"]["message"]
+    assert payload["error"]["type"] == "invalid_request_error"
+
+
+def test_options_and_the_shell_routes_wrong_methods(keyed: RunningServer) -> None:
+    allowed = httpx.options(keyed.base_url + "/v1/chat/completions", headers={"x-api-key": "s3cret"})
+    assert allowed.status_code == 200 and allowed.headers["allow"] == "POST, OPTIONS"
+    wrong = httpx.post(keyed.base_url + "/health", headers={"x-api-key": "s3cret"})
+    assert openai_error(wrong, 405)["message"] == "POST is not allowed on /health."
+    assert wrong.headers["connection"] == "close"
 
 
 @pytest.mark.parametrize("after_a_request", [False, True])
