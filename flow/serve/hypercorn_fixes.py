@@ -1,4 +1,5 @@
-"""Changes to hypercorn's HTTP/1.1 server, applied when flow serves: two fixes, two shortcuts for streams.
+"""Changes to hypercorn's HTTP/1.1 server, applied when flow serves: two fixes, two shortcuts for streams, two
+for every request.
 
 **What the protocol asks must be done.** hypercorn's HTTP/1.1 protocol tells its
 TCP server what to do next — close the connection (``Connection: close``, an
@@ -57,25 +58,41 @@ shortcut above would (plain TCP, a chunked HTTP/1.1 body under way, no other
 piece on its way); otherwise it writes nothing and the piece takes the
 ordinary path. What the socket does not take is written by the request's task
 through the send lock (``write_raw``), before any later piece.
+
+**A connection's idle timer is one task whose deadline moves.** hypercorn stops
+its keep-alive timer when a request begins and starts it again, as a new task
+(a nursery's ``start``, under a lock), when the response is done: per request
+a task and half a dozen cancel scopes. :class:`IdleDeadline` keeps one task for
+the connection's life and moves its deadline (to infinity while a request is
+under way): the same timeouts — an idle or half-sent-headers connection is
+closed after ``keep_alive_timeout``, a closing server closes it at once — and
+no task, lock or shield per request.
+
+**No read timeout, no timeout scope per read.** hypercorn wraps every read of a
+connection in ``fail_after(read_timeout)``, a cancel scope per read, also when
+there is no read timeout (flow sets none: the idle timer and the body deadline
+bound a client). Then the reads go without it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import h11
 import trio
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.events import Body, Response
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.protocol.http_stream import HTTPStream
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 
 _original_protocol_send = TCPServer.protocol_send
 _original_stream_send = H11Protocol.stream_send
 _original_read_data = TCPServer._read_data
+_original_init = TCPServer.__init__
 
 
 def _send_now(server: Any, data: bytes) -> int | None:
@@ -97,6 +114,9 @@ def _chunk(data: bytes) -> bytes:
 
 
 async def _protocol_send(self: Any, event: Event) -> None:
+    if isinstance(event, Updated) and isinstance(self.idle_task, IdleDeadline):
+        self.idle_task.move(idle=event.idle)  # synchronous: nothing to shield
+        return
     if not isinstance(event, RawData):
         with trio.CancelScope(shield=True):
             await _original_protocol_send(self, event)
@@ -181,12 +201,89 @@ def direct_writer(send: Any) -> DirectWriter | None:
     return DirectWriter(stream, protocol, server)
 
 
+class IdleDeadline:
+    """A connection's keep-alive idle timer: one task for the connection's life, its deadline moved (see the
+    module's text). Stands in for hypercorn's ``TrioSingleTask`` as ``TCPServer.idle_task``."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server  # TCPServer
+        self._deadline = math.inf
+        self._scope: trio.CancelScope | None = None  # the waiting task's, once it runs
+        self._started = False
+        self._ended = False  # the connection is over: the task ends without closing anything
+        self._closing = False  # the server is closing
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """hypercorn's call when the connection starts: idle from now."""
+        self.move(idle=True, task_group=task_group)
+
+    async def stop(self) -> None:
+        self.move(idle=False)
+
+    def move(self, *, idle: bool, task_group: Any = None) -> None:
+        """Idle from now (closed after ``keep_alive_timeout`` unless a request begins; at once when the server is
+        closing), or a request under way."""
+        if not idle:
+            self._deadline = math.inf
+        else:
+            self._deadline = trio.current_time() + (0 if self._closing else self._server.config.keep_alive_timeout)
+        if self._scope is not None:
+            self._scope.deadline = self._deadline
+        if idle and not self._started and not self._ended:
+            self._started = True
+            (task_group or self._server._task_group)._nursery.start_soon(self._wait)
+
+    def end(self) -> None:
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _wait(self) -> None:
+        if self._ended:  # the connection ended before this task began
+            return
+        with trio.CancelScope(deadline=self._deadline) as scope:
+            self._scope = scope
+            await self._server.context.terminated.wait()
+            # The server is closing: an idle connection closes now, one with a request under way once it is done.
+            self._closing = True
+            if self._deadline == math.inf:
+                await trio.sleep_forever()
+        self._scope = None
+        if not self._ended:
+            with trio.CancelScope(shield=True):
+                await self._server._initiate_server_close()
+
+
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _original_init(self, *args, **kwargs)
+    self.idle_task = IdleDeadline(self)
+
+
 async def _read_data(self: Any) -> None:
     try:
-        await _original_read_data(self)
+        if self.config.read_timeout is None:
+            await _read_untimed(self)
+        else:
+            await _original_read_data(self)
     finally:  # the client is gone: nothing is left for the idle timer to close
-        with trio.CancelScope(shield=True):
-            await self.idle_task.stop()
+        if isinstance(self.idle_task, IdleDeadline):
+            self.idle_task.end()
+        else:
+            with trio.CancelScope(shield=True):
+                await self.idle_task.stop()
+
+
+async def _read_untimed(self: Any) -> None:
+    """hypercorn's read loop (``TCPServer._read_data``) without a timeout scope around each read."""
+    while True:
+        try:
+            data = await self.stream.receive_some(MAX_RECV)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            break
+        await self.protocol.handle(RawData(bytes(data)))
+        if data == b"":
+            break
+    await self.protocol.handle(Closed())
 
 
 def apply() -> None:
@@ -194,3 +291,4 @@ def apply() -> None:
     TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     H11Protocol.stream_send = _stream_send  # type: ignore[method-assign]
     TCPServer._read_data = _read_data  # type: ignore[method-assign]
+    TCPServer.__init__ = _init  # type: ignore[method-assign]
