@@ -160,26 +160,28 @@ class DirectWriter:
 
     def __init__(self, stream: Any, protocol: Any, server: Any) -> None:
         self._stream = stream  # hypercorn's HTTPStream: its ASGI state
-        self._protocol = protocol  # H11Protocol: the h11 connection and how this response is framed
         self._server = server  # TCPServer: the socket and its send lock
         self._lock = server.send_lock
         # The socket itself (plain TCP), or None (TLS: always hypercorn's path). Its descriptor is read per
         # piece: a closed socket's is -1 (the write fails), never a number another connection may reuse.
         self._socket = server.stream.socket if isinstance(server.stream, trio.SocketStream) else None
+        # Made once the response's head is on the wire (the exit binds the writer then): whether its body is
+        # chunked, as _stream_send decided, is known and stays so until the body ends, after the run's last piece.
+        self._chunked = (self._socket is not None and bool(protocol.__dict__.get("_flow_chunked"))
+                         and protocol.connection.our_state is h11.SEND_BODY)
 
     def write_now(self, data: bytes) -> bytes | None:
         """Frame ``data`` as a chunk and send what the socket takes now: the framed bytes it did not take, or
         ``None`` (nothing written) when this response cannot be written to directly now. (Per streamed token:
-        :func:`_send_now`'s checks and write with the socket and its lock looked up once per response.)"""
-        protocol = self._protocol
-        if (self._stream.closed or self._socket is None or self._lock.locked()
-                or not protocol.__dict__.get("_flow_chunked") or protocol.connection.our_state is not h11.SEND_BODY):
+        :func:`_send_now`'s checks and write with the socket, its lock and the body's framing looked up once per
+        response.)"""
+        if not self._chunked or self._stream.closed or self._lock.locked():
             return None
         if not data:
             return b""
         framed = _chunk(data)
         try:
-            sent = os.write(self._socket.fileno(), framed)
+            sent = os.write(self._socket.fileno(), framed)  # type: ignore[union-attr]
         except OSError:
             sent = 0  # EAGAIN, or a broken or closed connection: hypercorn's path finds out which
         return framed[sent:]

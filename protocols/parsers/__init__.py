@@ -205,9 +205,10 @@ class ResponseParser(StreamParser):
 
     def _through_tools(self, events: list[Event]) -> list[Event]:
         if self.no_calls:  # no tools: the text is content as it is (per token: the list itself, unless empty text)
-            if all(not isinstance(event, TextDelta) or event.text for event in events):
-                return events
-            return [event for event in events if not isinstance(event, TextDelta) or event.text]
+            for event in events:
+                if isinstance(event, TextDelta) and not event.text:
+                    return [event for event in events if not isinstance(event, TextDelta) or event.text]
+            return events
         out: list[Event] = []
         for event in events:
             if isinstance(event, TextDelta):
