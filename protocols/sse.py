@@ -62,13 +62,12 @@ class FrameTemplate:
             pieces.append(head)
         pieces.append(rest)
         self._pieces = tuple(pieces)
+        # The same as a %-format with a %b per field: the fields' encodings joined into it in one call.
+        self._format = b"%b".join(piece.replace(b"%", b"%%") for piece in pieces)
         self.build = build
 
     def __call__(self, *values: str | int) -> bytes:
-        pieces = self._pieces
-        if len(values) == 1:
+        if len(values) == 1:  # one field: two concatenations beat building the format's tuple
+            pieces = self._pieces
             return pieces[0] + dumps(values[0]) + pieces[1]
-        out = [pieces[0]]
-        for value, piece in zip(values, pieces[1:], strict=True):
-            out += (dumps(value), piece)
-        return b"".join(out)
+        return self._format % tuple(map(dumps, values))

@@ -27,7 +27,7 @@ from protocols.ir import (
 from protocols.sse import FrameTemplate, data_frame, dumps
 
 TEXTS = ["Hello", ' "quoted" ', "back\\slash", "line\nbreak\ttab", "\x00\x1f control", "é ü ß", "灯台守",
-         "emoji 🌊🗼", "\u2028\u2029", "</script>", "", "{\"json\": [1, 2]}"]
+         "emoji 🌊🗼", "\u2028\u2029", "</script>", "", "{\"json\": [1, 2]}", "100% %s %b %%"]
 
 
 def events(choices: int = 1) -> list[StreamEvent]:
@@ -91,3 +91,10 @@ def test_a_field_must_appear_once() -> None:
         FrameTemplate(lambda text: data_frame({"a": text, "b": text}))
     with pytest.raises(ValueError, match="exactly once"):
         FrameTemplate(lambda text: data_frame({"a": "constant"}))
+
+
+def test_a_frame_with_percent_signs_around_its_fields() -> None:
+    """Several fields are joined through a %-format: the frame's own % signs and the values' stay as they are."""
+    template = FrameTemplate(lambda n, text: b"data: 100% " + dumps({"n": n, "t": text, "k": "%b%%"}) + b"\n\n", 2)
+    for n, text in ((0, "%s"), (12, "50% off %b %%"), (2**40, "")):
+        assert template(n, text) == template.build(n, text)
