@@ -110,7 +110,6 @@ class ConnectionWriter:
 
 def _no_direct_write(data: bytes) -> None:
     """Where the connection has no direct writer: a piece always takes the awaited path."""
-    return None
 
 
 class _ClientGone(Exception):
