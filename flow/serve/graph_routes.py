@@ -1,11 +1,11 @@
 """The graph's HTTP routes, served straight from the ASGI call: no web framework between a connection and a run.
 
-Every HTTP request whose path is not one of the shell's own (:data:`SHELL_PATHS`, which the Quart app in
-``flow.serve.http`` serves, with every WebSocket and the lifespan) is handled here, in the task hypercorn
-started for it:
+Every HTTP request is guarded here; one whose path is not one of the shell's own (:data:`SHELL_PATHS`, which
+the Quart app in ``flow.serve.http`` serves, with every WebSocket and the lifespan) is then handled here, in the
+task hypercorn started for it:
 
 1. the guard (host, origin, API key, content type: ``flow.serve.guard``) before routing and before the body
-   is read, so an unknown route tells an unauthenticated client nothing;
+   is read, so an unknown route or method tells an unauthenticated client nothing;
 2. the route matched against the generation serving new requests now (``{param}`` segments): 404, 405 with
    the methods the path has, ``OPTIONS``, and ``GET /`` where the graph has no page there;
 3. admission pacing (``flow.serve.pacing``), then the body, within the server's limit (413, refused from its
@@ -131,7 +131,7 @@ class GraphRoutes:
         self.nursery = nursery
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in SHELL_PATHS:
+        if scope["type"] != "http":  # a WebSocket (its view guards it) or the lifespan
             await self.shell(scope, receive, send)
             return
         reply = _Reply(send)
@@ -159,6 +159,9 @@ class GraphRoutes:
         refusal = guard_refusal(server, method, path, headers)
         if refusal is not None:
             await reply.frame(refusal)
+            return
+        if path in SHELL_PATHS:  # guarded as every path is, before its method is even looked at
+            await self.shell(scope, receive, reply.send)
             return
         gen = server.live.gen
         try:

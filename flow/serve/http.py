@@ -8,8 +8,8 @@ and hands it to :meth:`FlowServer.respond`. The shell owns only ``/health``, ``/
 writes itself (unknown route, wrong method, body too large or too slow, refused host or key) takes the
 protocol shape of the path's route, or the graph's ``server.default_exit``.
 
-Checks before routing (host, origin, API key, content type) run for every path the same way, before the
-body is read.
+Checks before routing (host, origin, API key, content type) run for every HTTP path the same way, in the
+ASGI app in front, before the body is read.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
 from werkzeug.exceptions import HTTPException
 
-from flow.serve.graph_routes import GraphRoutes, guard_refusal, http_refusal
+from flow.serve.graph_routes import GraphRoutes, http_refusal
 from flow.serve.live import NoRoute
 from flow.serve.server import FlowServer
 from flow.serve.stats_feed import FeedLimit, parse_interval
@@ -59,13 +59,6 @@ def create_app(server: FlowServer) -> QuartTrio:
                           MAX_CONTENT_LENGTH=server.body_limit())
 
     refresh_limits()
-
-    @app.before_request
-    async def _guard() -> Response | None:
-        """The shell's own routes are guarded as the graph's are (flow.serve.graph_routes)."""
-        headers = {name.lower(): value for name, value in request.headers.items()}
-        refusal = guard_refusal(server, request.method, request.path, headers)
-        return None if refusal is None else _frame_response(refusal)
 
     @app.websocket("/<path:path>")
     async def socket(path: str = "") -> Response | None:

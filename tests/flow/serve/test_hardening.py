@@ -320,6 +320,9 @@ def test_options_and_the_shell_routes_wrong_methods(keyed: RunningServer) -> Non
     wrong = httpx.post(keyed.base_url + "/health", headers={"x-api-key": "s3cret"})
     assert openai_error(wrong, 405)["message"] == "POST is not allowed on /health."
     assert wrong.headers["connection"] == "close"
+    # Without the key a shell route's wrong method is refused for the key, as a graph route's is.
+    assert openai_error(httpx.get(keyed.base_url + "/admin/reload"), 401)["type"] == "authentication_error"
+    assert openai_error(httpx.delete(keyed.base_url + "/v1/chat/completions"), 401)["type"] == "authentication_error"
 
 
 @pytest.mark.parametrize("after_a_request", [False, True])
