@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from flow.builtins import compile_tables
-from tests.harness import GRAPHS, RunningServer, free_port, running_server, tables_with_model
+from tests.harness import GRAPHS, RunningServer, free_port, running_server, serve_process, tables_with_model
 
 B: dict[str, Any] = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 JSON = {"content-type": "application/json"}
@@ -508,3 +508,33 @@ def test_at_sigterm_a_stream_ends_cleanly_within_the_default_grace(tiny_qwen3: P
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_at_sigterm_an_idle_kept_alive_connection_is_closed_at_once(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """A kept-alive connection between requests is closed as the server stops, not after its idle timeout
+    (30 s by default): the connection's idle timer (flow.serve.hypercorn_fixes.IdleDeadline) closes it."""
+    graph = tmp_path / "graph.toml"
+    graph.write_text(f'extends = "{GRAPHS / "default.toml"}"\n'
+                     f'[resources.model]\npath = "{tiny_qwen3}"\nname = "tiny"\naliases = ["default"]\n')
+    env = {**os.environ, "FLOW_DATA_DIR": str(tmp_path / "data")}
+    with serve_process([sys.executable, "-m", "flow.cli", "serve", str(graph)], log=tmp_path / "serve.log",
+                       env=env) as (proc, base):
+        host, port = base.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += sock.recv(65536)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")))
+            while len(body) < length:
+                body += sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200") and len(body) == length  # the answer, and nothing after it
+            stopped = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = b""
+            while chunk := sock.recv(65536):
+                rest += chunk
+            assert rest == b"" and time.monotonic() - stopped < 10
+        assert proc.wait(20) == 0
