@@ -30,8 +30,9 @@ import functools
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -65,21 +66,26 @@ def guard_refusal(server: FlowServer, method: str, path: str, headers: dict[str,
     return None
 
 
-def http_refusal(server: FlowServer, code: int, method: str, path: str, default: str = "error") -> WireFrame:
-    """The answer to an HTTP-level refusal (``code``: 404, 405, 408, 413, ...), in the protocol of ``path``.
-    Routing and size refusals come before the body is read: the connection closes."""
+def http_refusal(server: FlowServer, code: int, method: str, path: str, default: str = "error",
+                 allowed: Sequence[str] = ()) -> WireFrame:
+    """The answer to an HTTP-level refusal (``code``: 404, 405, 408, 413, ...), in the protocol of ``path``;
+    ``allowed``: a 405's methods, named in its message and its ``allow`` header. Routing and size refusals come
+    before the body is read: the connection closes."""
     kinds = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 408: "invalid_request"}
     kind = kinds.get(code, "invalid_request" if code < 500 else "internal")
     message = {
         404: f"No route {method} {path}. Routes: {server.live.gen.routes_text()}, GET /health.",
-        405: f"{method} is not allowed on {path}.",
+        405: f"{method} is not allowed on {path}" + (f"; allowed: {', '.join(allowed)}." if allowed else "."),
         413: f"The request body is larger than {server.body_limit()} bytes, "
              + ("the server's max_body_bytes." if server.graph.spec.server.max_body_bytes is not None else
                 "the most its models take (a text model's context as text, an audio file up to 25 MB, an "
                 "embedding request's inputs)."),
         408: f"The request body did not arrive within {server.graph.spec.server.body_timeout_seconds:g} seconds.",
     }.get(code, default)
-    return server.error_response(path, ApiError(kind, message), close=True)  # type: ignore[arg-type]
+    frame = server.error_response(path, ApiError(kind, message), close=True)  # type: ignore[arg-type]
+    if code == 405 and allowed:
+        return replace(frame, headers=(*frame.headers, ("allow", ", ".join(allowed))))
+    return frame
 
 
 class ConnectionWriter:
@@ -192,14 +198,10 @@ class GraphRoutes:
             return WireFrame(dumps({"name": "flow", "graph": server.live.gen.info(), "status": "ok"}),
                              headers=(("content-type", "application/json"),))
         if not allowed:
-            return server.error_response(path, ApiError(
-                "not_found", f"No route {method} {path}. Routes: {server.live.gen.routes_text()}, GET /health."),
-                close=True)
+            return http_refusal(server, 404, method, path)
         if method == "OPTIONS":
             return WireFrame(b"", headers=(("allow", ", ".join([*allowed, "OPTIONS"])),))
-        frame = server.error_response(path, ApiError(
-            "method_not_allowed", f"{method} is not allowed on {path}; allowed: {', '.join(allowed)}."), close=True)
-        return WireFrame(frame.data, frame.status, (*frame.headers, ("allow", ", ".join(allowed))))
+        return http_refusal(server, 405, method, path, allowed=allowed)
 
 
 class _Reply:

@@ -114,7 +114,7 @@ def _chunk(data: bytes) -> bytes:
 
 
 async def _protocol_send(self: Any, event: Event) -> None:
-    if isinstance(event, Updated) and isinstance(self.idle_task, IdleDeadline):
+    if isinstance(event, Updated):
         self.idle_task.move(idle=event.idle)  # synchronous: nothing to shield
         return
     if not isinstance(event, RawData):
@@ -268,11 +268,7 @@ async def _read_data(self: Any) -> None:
         else:
             await _original_read_data(self)
     finally:  # the client is gone: nothing is left for the idle timer to close
-        if isinstance(self.idle_task, IdleDeadline):
-            self.idle_task.end()
-        else:
-            with trio.CancelScope(shield=True):
-                await self.idle_task.stop()
+        self.idle_task.end()
 
 
 async def _read_untimed(self: Any) -> None:
