@@ -1,6 +1,6 @@
-"""No request holds the event loop, through the real server: a PDF whose pages share one content stream of
-thousands of operators (16 KB, a minute of CPU to read in full), a form of 350,000 empty fields, and a
-2,048-input embeddings request are each answered while ``/health``, asked every 25 ms beside them, answers in
+"""No request holds the event loop, through the real server: a PDF whose 100 pages share one content stream of
+16,000 operators (16 KB; over half a minute of CPU to read in full on a fast machine, minutes on a slow one: well
+past its budget anywhere), a form of 350,000 empty fields, and a 2,048-input embeddings request are each answered while ``/health``, asked every 25 ms beside them, answers in
 under 100 ms; the PDF is stopped at its CPU budget with a 413 naming it; the loop's lag is on ``/metrics`` and
 ``/stats``, and a stall is logged with the stage and route that held it."""
 
@@ -24,7 +24,7 @@ from tests.harness import RunningServer, running_server, tables_with_model
 from tests.hostile import empty_fields_form, shared_stream_pdf
 
 HEALTH_BOUND = 0.1
-PDF_B64 = base64.b64encode(shared_stream_pdf(pages=100, operators=4000)).decode()
+PDF_B64 = base64.b64encode(shared_stream_pdf(pages=100, operators=16000)).decode()
 
 
 @pytest.fixture(scope="module")
