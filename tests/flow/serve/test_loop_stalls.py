@@ -1,8 +1,9 @@
 """No request holds the event loop, through the real server: a PDF whose 100 pages share one content stream of
 16,000 operators (16 KB; over half a minute of CPU to read in full on a fast machine, minutes on a slow one: well
-past its budget anywhere), a form of 350,000 empty fields, and a 2,048-input embeddings request are each answered while ``/health``, asked every 25 ms beside them, answers in
-under 100 ms; the PDF is stopped at its CPU budget with a 413 naming it; the loop's lag is on ``/metrics`` and
-``/stats``, and a stall is logged with the stage and route that held it."""
+past its budget anywhere), a form of 350,000 empty fields, and a 2,048-input embeddings request are each answered
+while ``/health``, asked every 25 ms beside them, answers in under 100 ms; the PDF is stopped at its CPU budget
+with a 413 naming it; the loop's lag is on ``/metrics`` and ``/stats``, and a stall is logged with the stage and
+route that held it."""
 
 from __future__ import annotations
 
