@@ -425,7 +425,9 @@ class ResponsesStreamEncoder:
         self._open: str | None = None  # "reasoning" | "message" | "function_call"
         self._text: list[str] = []
         self._call: ToolCall | None = None
-        self._deltas: dict[tuple[str, int], FrameTemplate] = {}  # (item kind, output index) → its delta's frame
+        # The open reasoning or message item's delta event, its number and text left to fill (per token the same
+        # event but those two: built once per item).
+        self._delta: FrameTemplate | None = None
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         frame = event_frame(kind, {"type": kind, "sequence_number": self._seq, **fields})
@@ -480,7 +482,7 @@ class ResponsesStreamEncoder:
             item = _call_item(item_id, call, "completed")
         frames.append(self._event("response.output_item.done", output_index=index, item=item))
         self._output.append(item)
-        self._open = None
+        self._open = self._delta = None
         return frames
 
     def _open_text(self, kind: str) -> list[bytes]:
@@ -499,11 +501,13 @@ class ResponsesStreamEncoder:
         return frames
 
     def _text_delta(self, kind: str, text: str) -> list[bytes]:
-        frames = [] if self._open == kind else self._open_text(kind)
+        template = self._delta
+        if self._open == kind and template is not None:
+            frames = []
+        else:
+            frames = self._open_text(kind)
+            template = self._delta = FrameTemplate(self._delta_frame(kind), 2)
         self._text.append(text)
-        template = self._deltas.get((kind, self._index))
-        if template is None:  # per token the same event but its number and text: built once
-            template = self._deltas[(kind, self._index)] = FrameTemplate(self._delta_frame(kind), 2)
         frames.append(template(self._seq, text))
         self._seq += 1
         return frames
