@@ -14,7 +14,6 @@ DELETE; ``store: false`` requests without ``previous_response_id`` still work.
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar
 
 import trio
@@ -26,7 +25,7 @@ from protocols import openai_responses
 from protocols.errors import ApiError
 from protocols.ir import ChatRequest, FinalResult, HttpRequest, Message
 from protocols.openai_responses import ResponsesContext
-from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat, decode_on_worker
+from stages.protocol import EndpointStage, FormatConfig, ProtocolDecode, ProtocolFormat, off_loop_only
 
 
 class StoreConfig(StageConfig):
@@ -51,11 +50,8 @@ class OpenAIResponsesDecode(ProtocolDecode):
         super().setup()
         self.store = self.links.one("store", ResponseStore)
 
-    async def decode_request(self, http: HttpRequest) -> ChatRequest:
-        # previous_response_id reads the store's file: off the event loop
-        return await decode_on_worker(self.decode, http, int(time.time()))
-
     def _previous(self, response_id: str) -> tuple[Message, ...] | None:
+        off_loop_only("previous_response_id")  # the store's file is read on a worker thread
         entry = self.store.get(response_id)
         return None if entry is None else entry.conversation
 
@@ -85,7 +81,7 @@ class OpenAIResponsesFormat(ProtocolFormat):
     async def finished(self, result: FinalResult, body: dict[str, Any]) -> None:
         if _stored(result.request):  # committed to disk before the client has the whole response
             conversation = openai_responses.conversation_after(result)
-            await trio.to_thread.run_sync(self.store.put, body["id"], body, conversation)
+            await self.store.keep(body["id"], body, conversation)
 
 
 class OpenAIResponsesRetrieve(EndpointStage):

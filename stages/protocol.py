@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import trio
@@ -115,6 +116,17 @@ def _refuse_on_loop(data: bytes, where: str) -> str:
     raise documents.NeedsWorker(where)
 
 
+# True while a decode runs on the event loop (decode_off_loop's first try).
+_on_loop: ContextVar[bool] = ContextVar("decoding_on_loop", default=False)
+
+
+def off_loop_only(where: str) -> None:
+    """Called by a decode before work that must not run on the event loop (reading a store's file): on the loop,
+    the decode starts again on a worker thread (:func:`decode_off_loop`)."""
+    if _on_loop.get():
+        raise documents.NeedsWorker(where)
+
+
 def _decode_with_bounded_documents(decode: Callable[..., T], http: HttpRequest, *args: Any) -> T:
     token = documents.pdf_reader.set(BoundedDocuments())
     try:
@@ -125,14 +137,16 @@ def _decode_with_bounded_documents(decode: Callable[..., T], http: HttpRequest, 
 
 async def decode_off_loop(decode: Callable[..., T], http: HttpRequest, *args: Any) -> T:
     """``decode(http, *args)`` without stalling the event loop: a small body inline, unless it carries a
-    document; anything else on a worker thread, its PDFs read in bounded child processes."""
+    document or its decode reads a file (:func:`off_loop_only`); anything else on a worker thread, its PDFs read
+    in bounded child processes."""
     if len(http.body) <= INLINE_BODY_BYTES:
-        token = documents.pdf_reader.set(_refuse_on_loop)
+        token, on_loop = documents.pdf_reader.set(_refuse_on_loop), _on_loop.set(True)
         try:
             return decode(http, *args)
         except documents.NeedsWorker:
             pass
         finally:
+            _on_loop.reset(on_loop)
             documents.pdf_reader.reset(token)
     return await decode_on_worker(decode, http, *args)
 

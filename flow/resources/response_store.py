@@ -10,7 +10,10 @@ it was last used. Agents chain turns through it, and a client that got a
 response id back may follow up after a restart, so entries persist:
 :meth:`ResponseStore.put` commits the row (``synchronous=FULL``: on disk)
 before the response's last bytes go out, so an acknowledged response survives
-a ``kill -9``.
+a ``kill -9``. From the event loop, :meth:`ResponseStore.keep` commits the
+responses that finish together in one transaction (a group commit): one worker
+thread and one sync to disk for every response that finished while the commit
+before was under way, not one each.
 
 Bounds: an entry can be continued for ``ttl_seconds`` after it was stored;
 past ``max_bytes`` the least recently used entries go. The index (id → size,
@@ -28,6 +31,7 @@ need the store answer 503 ``unavailable`` naming the file; requests with
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sqlite3
@@ -89,6 +93,19 @@ class _Entry:
     expires: float
 
 
+# One response to store: its id, body and the conversation a follow-up continues.
+_Put = tuple[str, dict[str, Any], tuple[Message, ...]]
+
+
+class _Commit:
+    """The responses that go to disk in one transaction, and whether they are there."""
+
+    def __init__(self) -> None:
+        self.puts: list[_Put] = []
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+
+
 class ResponseStore(Resource):
     type_name: ClassVar[str] = "response_store"
     Config: ClassVar[type[ResourceConfig]] = ResponseStoreConfig
@@ -105,6 +122,8 @@ class ResponseStore(Resource):
         self._bytes = 0
         self._next_sweep = 0.0
         self._lock = threading.Lock()  # stages call in from trio and from worker threads
+        self._gathering: _Commit | None = None  # keep(): the responses waiting for the next commit
+        self._committing = False  # keep(): a commit is under way
         # Damaged: its routes answer 503.
         self.state = StoreState(WHAT, self.path, "response_store",
                                 "Requests with store=false and no previous_response_id still work.")
@@ -131,7 +150,7 @@ class ResponseStore(Resource):
                         self._bytes += size
                 with self.state.guard(), self._write(db):
                     self._sweep(db, time.time())
-                    self._evict(db, self._victims(None))  # the cap may have been lowered since
+                    self._evict(db, self._victims())  # the cap may have been lowered since
             except ApiError:  # logged by _guard; the server starts all the same
                 return
         log.info("response store: %d stored responses in %s", len(self._index), self.path)
@@ -166,11 +185,48 @@ class ResponseStore(Resource):
         return self.state.unavailable()
 
     # ------------------------------------------------------------------ entries
+    async def keep(self, response_id: str, body: dict[str, Any], conversation: tuple[Message, ...]) -> None:
+        """:meth:`put` from the event loop, on disk when this returns; committed with the responses that finish
+        beside it (see the module's text)."""
+        commit = self._gathering
+        if commit is None:
+            commit = self._gathering = _Commit()
+        commit.puts.append((response_id, body, conversation))
+        if self._committing:
+            await commit.done.wait()  # the task committing now takes this commit next
+        else:
+            await self._commit_gathered()
+        if commit.error is not None:
+            raise copy.copy(commit.error)  # each request raises its own
+
+    async def _commit_gathered(self) -> None:
+        """Commit what gathers, one transaction at a time, until nothing waits. Other requests' responses ride
+        on this task: it finishes them even if its own request is cancelled meanwhile."""
+        self._committing = True
+        try:
+            with trio.CancelScope(shield=True):
+                while self._gathering is not None:
+                    commit, self._gathering = self._gathering, None
+                    try:
+                        await trio.to_thread.run_sync(self.put_many, commit.puts)
+                    except Exception as exc:  # every response of the commit is told
+                        commit.error = exc
+                    finally:
+                        commit.done.set()
+        finally:
+            self._committing = False
+
     def put(self, response_id: str, body: dict[str, Any], conversation: tuple[Message, ...]) -> None:
         """Store (or replace) a response; on disk when this returns."""
-        body_json = json.dumps(body, default=str)
-        conversation_json = json.dumps([m.to_template() for m in conversation], default=str)
-        size = len(body_json) + len(conversation_json)
+        self.put_many([(response_id, body, conversation)])
+
+    def put_many(self, puts: list[_Put]) -> None:
+        """Store (or replace) responses in one transaction; on disk when this returns."""
+        rows = []
+        for response_id, body, conversation in puts:
+            body_json = json.dumps(body, default=str)
+            conversation_json = json.dumps([m.to_template() for m in conversation], default=str)
+            rows.append((response_id, body_json, conversation_json, len(body_json) + len(conversation_json)))
         now = time.time()
         expires = now + self.config.ttl_seconds
         with self._lock, self.state.guard():
@@ -178,15 +234,17 @@ class ResponseStore(Resource):
             with self._write(self._db) as db:
                 if now >= self._next_sweep:
                     self._sweep(db, now)
-                db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                           (response_id, body_json, conversation_json, size, expires, now))
-                old = self._index.pop(response_id, None)
-                self._bytes += size - (old.size if old is not None else 0)
-                self._index[response_id] = _Entry(size, expires)
-                self._used.pop(response_id, None)
-                self._evict(db, self._victims(response_id))
+                db.executemany("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                               [(rid, body, conversation, size, expires, now)
+                                for rid, body, conversation, size in rows])
+                for response_id, _, _, size in rows:
+                    old = self._index.pop(response_id, None)
+                    self._bytes += size - (old.size if old is not None else 0)
+                    self._index[response_id] = _Entry(size, expires)
+                    self._used.pop(response_id, None)
+                self._evict(db, self._victims(frozenset(rid for rid, *_ in rows)))
                 self._flush_uses(db)
-            self.counters["stored"] += 1
+            self.counters["stored"] += len(rows)
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock, self.state.guard():
@@ -245,14 +303,15 @@ class ResponseStore(Resource):
             self._bytes -= entry.size
         self._used.pop(response_id, None)
 
-    def _victims(self, keep: str | None) -> list[str]:
-        """Least recently used ids to drop to get under ``max_bytes`` (never ``keep``, the entry just put)."""
+    def _victims(self, keep: frozenset[str] = frozenset()) -> list[str]:
+        """Least recently used ids to drop to get under ``max_bytes`` (never those in ``keep``, the entries just
+        put)."""
         total = self._bytes
         victims: list[str] = []
         for rid, entry in self._index.items():
             if total <= self.config.max_bytes:
                 break
-            if rid != keep:
+            if rid not in keep:
                 victims.append(rid)
                 total -= entry.size
         return victims

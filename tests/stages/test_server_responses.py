@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from mlx_lm import stream_generate
 
 from flow.builtins import compile_tables
 from flow.graph.spec import load_tables
+from flow.resources.response_store import ResponseStore
+from stages.openai_responses import OpenAIResponsesDecode, OpenAIResponsesFormat
 from tests.harness import GRAPHS, RunningServer, running_server
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
@@ -105,6 +108,41 @@ def test_previous_response_id_chain_of_three_turns(qwen3_server: RunningServer) 
     fetched = c.responses.retrieve(third.id)
     assert fetched.output_text == third.output_text and fetched.id == third.id
     assert fetched.previous_response_id == second.id
+
+
+def test_a_request_is_decoded_on_the_loop_unless_it_reads_the_store(qwen3_server: RunningServer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain request's decode takes no worker thread; one with previous_response_id reads the store's file on a
+    worker, never on the event loop; the stored first turn is what the second continues."""
+    decoded: list[str] = []
+    reads: list[str] = []
+    on_loop: list[str] = []  # the event loop's thread, as the format stage (a trio task) sees it
+    decode, get, finished = OpenAIResponsesDecode.decode, ResponseStore.get, OpenAIResponsesFormat.finished
+
+    async def finished_seen(self: OpenAIResponsesFormat, result: Any, body: Any) -> None:
+        on_loop.append(threading.current_thread().name)
+        await finished(self, result, body)
+
+    def decode_seen(self: OpenAIResponsesDecode, http: Any, created: int) -> Any:
+        decoded.append(threading.current_thread().name)
+        return decode(self, http, created)
+
+    def get_seen(self: ResponseStore, response_id: str) -> Any:
+        reads.append(threading.current_thread().name)
+        return get(self, response_id)
+
+    monkeypatch.setattr(OpenAIResponsesDecode, "decode", decode_seen)
+    monkeypatch.setattr(ResponseStore, "get", get_seen)
+    monkeypatch.setattr(OpenAIResponsesFormat, "finished", finished_seen)
+    c = client(qwen3_server)
+    first = c.responses.create(model="tiny", input="Name a color.", max_output_tokens=3)
+    assert len(decoded) == 1 and decoded == on_loop and reads == []
+    loop = on_loop[0]
+    second = c.responses.create(model="tiny", input="Another.", previous_response_id=first.id, max_output_tokens=3)
+    # Tried on the loop, stopped before the read, decoded again on a worker.
+    assert decoded[1:] == [loop, reads[0]] and len(reads) == 1 and reads[0] != loop, decoded
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn is in it
 
 
 def test_length_stop_ends_in_response_incomplete(qwen3_server: RunningServer) -> None:

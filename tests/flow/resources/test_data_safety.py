@@ -229,6 +229,52 @@ def test_response_store_bounds_age_and_size_by_last_use_and_persists(tmp_path: P
     assert open_responses(tmp_path / "short.sqlite").stats()["entries"] == 0
 
 
+def test_responses_that_finish_together_are_committed_together(tmp_path: Path) -> None:
+    """keep() from many requests at once: a transaction (and a worker thread) per group, not per response; every
+    response on disk when its keep() returns, those riding on a request that is cancelled meanwhile too."""
+    path = tmp_path / "responses.sqlite"
+    store = open_responses(path)
+    commits: list[int] = []
+    put_many = store.put_many
+
+    def counted(puts: list[Any]) -> None:
+        commits.append(len(puts))
+        time.sleep(0.02)  # a sync to disk that takes a while: the other requests gather meanwhile
+        put_many(puts)
+
+    store.put_many = counted  # type: ignore[method-assign]
+    conversation = (Message("user", "Where is the lamp?"), Message("assistant", "Up top."))
+    kept: list[str] = []
+
+    async def keep(rid: str) -> None:
+        await store.keep(rid, {"id": rid, "text": rid * 10}, conversation)
+        kept.append(rid)
+        with sqlite3.connect(path) as other:
+            assert other.execute("SELECT COUNT(*) FROM responses WHERE id = ?", (rid,)).fetchone()[0] == 1
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            first = trio.CancelScope()
+
+            async def cancelled_first() -> None:
+                with first:
+                    await store.keep("first", {"id": "first"}, conversation)
+
+            nursery.start_soon(cancelled_first)
+            await trio.sleep(0.005)  # "first" commits alone; its request is cancelled while it does
+            for i in range(40):
+                nursery.start_soon(keep, f"r{i}")
+            await trio.sleep(0.001)
+            first.cancel()
+
+    trio.run(main)
+    assert sorted(kept) == sorted(f"r{i}" for i in range(40))
+    assert sum(commits) == 41 and commits[0] == 1 and len(commits) <= 3, commits
+    assert store.get("first") is not None and store.stats()["stored"] == 41
+    store.close()
+    assert open_responses(path).stats()["entries"] == 41
+
+
 # --------------------------------------------------------------------------- damaged files, one server
 
 
