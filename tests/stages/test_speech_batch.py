@@ -137,7 +137,7 @@ def test_batched_speech_decodes_in_every_format_and_stream(server: RunningServer
     formats = {"mp3": RATE, "opus": 48000, "aac": RATE, "flac": RATE}
     results = all_at_once([*(partial(speak, client, "ryan", text, fmt) for fmt in formats), sse, streamed_pcm])
     for (fmt, rate), data in zip(formats.items(), results):
-        samples, got_rate = decoded(data)
+        samples, got_rate = decoded(data, fmt)
         assert got_rate == rate, fmt
         assert seconds <= len(samples) / rate <= seconds + 0.1, fmt  # lossy codecs pad a frame or two
     flac, rate = decoded(results[-2])
