@@ -83,13 +83,28 @@ def note_request(**fields: Any) -> None:
 
 
 @contextmanager
-def request_notes(notes: dict[str, Any]) -> Iterator[None]:
-    """The scope in which :func:`note_request` writes into ``notes``."""
-    token = _REQUEST_NOTES.set(notes)
+def request_notes(notes: dict[str, Any], pace: Callable[[], Awaitable[None]] | None = None) -> Iterator[None]:
+    """The scope in which :func:`note_request` writes into ``notes``, and :func:`paced` waits on ``pace``."""
+    token, paced_by = _REQUEST_NOTES.set(notes), _REQUEST_PACE.set(pace)
     try:
         yield
     finally:
+        _REQUEST_PACE.reset(paced_by)
         _REQUEST_NOTES.reset(token)
+
+
+# How a request waits its turn before work that comes in waves; set per request by the server (its admission
+# pacer: a few requests a turn of the event loop), inherited by the request's stage tasks.
+_REQUEST_PACE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("flow_request_pace", default=None)
+
+
+async def paced() -> None:
+    """Wait for this request's turn, before work that many requests may have at once: the end of a stream, when
+    every row of an engine step finished together (all asked for the same number of tokens). Spread over turns
+    of the event loop, the streams still running get their tokens between them. No wait outside a server."""
+    pace = _REQUEST_PACE.get()
+    if pace is not None:
+        await pace()
 
 
 def on_request_end(callback: Callable[[], None]) -> None:

@@ -196,7 +196,7 @@ class FlowServer:
         self._runs.add(scope)
         try:
             with self.live.entered(gen):
-                with scope, request_notes(record.notes if record is not None else {}):
+                with scope, request_notes(record.notes if record is not None else {}, self.pacer.turn):
                     try:
                         await runner.run(http, exit)
                     except BaseException as raw:

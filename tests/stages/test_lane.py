@@ -8,12 +8,13 @@ refuse more (as a stop string does) or to fail.
 
 from __future__ import annotations
 
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import trio
 import trio.testing
 
-from flow.graph.stage import Outbox
+from flow.graph.stage import Outbox, request_notes
 from protocols.ir import GenerationStarted, PreparedPrompt, TokenChunk
 from runtime.handle import SequenceHandle
 from stages.rows import forward_rows
@@ -58,11 +59,13 @@ class Chain(Outbox[Any]):
             self.got.append(("drained", self.kept.pop(0)))
 
 
-def started() -> GenerationStarted:
-    return GenerationStarted(PreparedPrompt.__new__(PreparedPrompt), 3)
+def started(stream: bool = True) -> GenerationStarted:
+    prompt = cast(PreparedPrompt, SimpleNamespace(request=SimpleNamespace(stream=stream)))  # all rows.py reads
+    return GenerationStarted(prompt, 3)
 
 
-def run(chain: Chain, steps: list[TokenChunk], before: Any = None) -> tuple[bool | BaseException, SequenceHandle]:
+def run(chain: Chain, steps: list[TokenChunk], before: Any = None,
+        stream: bool = True) -> tuple[bool | BaseException, SequenceHandle]:
     """The row's task forwards while a device puts one chunk per step (each step after the task waits again)."""
     send, receive = trio.open_memory_channel[TokenChunk](100)
     row = SequenceHandle(1, send, receive, on_cancel=lambda _id: None)
@@ -71,7 +74,7 @@ def run(chain: Chain, steps: list[TokenChunk], before: Any = None) -> tuple[bool
     async def main() -> None:
         async def task() -> None:
             try:
-                outcome.append(await forward_rows(started(), [row], chain))
+                outcome.append(await forward_rows(started(stream), [row], chain))
             except Exception as exc:
                 outcome.append(exc)
 
@@ -99,6 +102,27 @@ def test_tokens_go_through_the_chain_in_the_steps_pass_and_the_finish_through_th
     assert result is True and row.finished
     assert [(how, getattr(item, "token_ids", None)) for how, item in chain.got] == [
         ("task", None), ("now", (1,)), ("now", (2,)), ("now", (3,)), ("task", ())]
+
+
+def test_a_rows_finish_waits_its_turn_before_the_chain_gets_it() -> None:
+    """The server's pacer (request_notes' ``pace``): streams whose rows all finish in one step end a few per
+    turn."""
+    chain = Chain()
+    waited: list[int] = []
+
+    async def pace() -> None:
+        waited.append(len(chain.got))  # what the chain had when the finish waited its turn
+        await trio.sleep(0)
+
+    with request_notes({}, pace):
+        result, _ = run(chain, tokens(1, 2, finish="stop"))
+        assert result is True and waited == [3]  # after the header and both tokens, before the finish
+        assert [how for how, _ in chain.got] == ["task", "now", "now", "task"]
+        waited.clear()
+        run(Chain(), tokens(1, finish="stop"), stream=False)  # a whole body's answer waits its turn when sent
+        assert waited == []
+    run(Chain(), tokens(1, finish="stop"))  # outside a request's notes: no pace
+    assert waited == []
 
 
 def test_what_the_chain_keeps_is_drained_by_the_task_before_anything_after_it() -> None:
