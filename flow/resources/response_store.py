@@ -123,7 +123,7 @@ class ResponseStore(Resource):
         self._next_sweep = 0.0
         self._lock = threading.Lock()  # stages call in from trio and from worker threads
         self._gathering: _Commit | None = None  # keep(): the responses waiting for the next commit
-        self._committing = False  # keep(): a commit is under way
+        self._last_commit: trio.Event | None = None  # keep(): set once the latest commit is on disk
         # Damaged: its routes answer 503.
         self.state = StoreState(WHAT, self.path, "response_store",
                                 "Requests with store=false and no previous_response_id still work.")
@@ -187,34 +187,30 @@ class ResponseStore(Resource):
     # ------------------------------------------------------------------ entries
     async def keep(self, response_id: str, body: dict[str, Any], conversation: tuple[Message, ...]) -> None:
         """:meth:`put` from the event loop, on disk when this returns; committed with the responses that finish
-        beside it (see the module's text)."""
+        beside it (see the module's text). The first response of a commit leads it: it waits for the commit before
+        (one transaction at a time), meanwhile the responses that finish join it, and it commits them all. Each
+        task commits only its own commit (under steady load no request is kept committing others' for long), and
+        finishes it even if its own request is cancelled meanwhile."""
         commit = self._gathering
-        if commit is None:
-            commit = self._gathering = _Commit()
-        commit.puts.append((response_id, body, conversation))
-        if self._committing:
-            await commit.done.wait()  # the task committing now takes this commit next
+        if commit is not None:
+            commit.puts.append((response_id, body, conversation))
+            await commit.done.wait()
         else:
-            await self._commit_gathered()
+            commit = self._gathering = _Commit()
+            commit.puts.append((response_id, body, conversation))
+            before, self._last_commit = self._last_commit, commit.done
+            with trio.CancelScope(shield=True):
+                if before is not None:
+                    await before.wait()
+                self._gathering = None  # from here on, responses that finish gather for the next commit
+                try:
+                    await trio.to_thread.run_sync(self.put_many, commit.puts)
+                except Exception as exc:  # every response of the commit is told
+                    commit.error = exc
+                finally:
+                    commit.done.set()
         if commit.error is not None:
             raise copy.copy(commit.error)  # each request raises its own
-
-    async def _commit_gathered(self) -> None:
-        """Commit what gathers, one transaction at a time, until nothing waits. Other requests' responses ride
-        on this task: it finishes them even if its own request is cancelled meanwhile."""
-        self._committing = True
-        try:
-            with trio.CancelScope(shield=True):
-                while self._gathering is not None:
-                    commit, self._gathering = self._gathering, None
-                    try:
-                        await trio.to_thread.run_sync(self.put_many, commit.puts)
-                    except Exception as exc:  # every response of the commit is told
-                        commit.error = exc
-                    finally:
-                        commit.done.set()
-        finally:
-            self._committing = False
 
     def put(self, response_id: str, body: dict[str, Any], conversation: tuple[Message, ...]) -> None:
         """Store (or replace) a response; on disk when this returns."""

@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from flow.builtins import compile_tables
 from flow.graph.resource import Links
@@ -231,16 +232,16 @@ def test_response_store_bounds_age_and_size_by_last_use_and_persists(tmp_path: P
 
 def test_responses_that_finish_together_are_committed_together(tmp_path: Path) -> None:
     """keep() from many requests at once: a transaction (and a worker thread) per group, not per response; every
-    response on disk when its keep() returns, those riding on a request that is cancelled meanwhile too."""
+    response on disk when its keep() returns; those riding on a request cancelled meanwhile are stored too."""
     path = tmp_path / "responses.sqlite"
     store = open_responses(path)
-    commits: list[int] = []
+    commits: list[frozenset[str]] = []
     put_many = store.put_many
 
     def counted(puts: list[Any]) -> None:
-        commits.append(len(puts))
         time.sleep(0.02)  # a sync to disk that takes a while: the other requests gather meanwhile
         put_many(puts)
+        commits.append(frozenset(rid for rid, *_ in puts))
 
     store.put_many = counted  # type: ignore[method-assign]
     conversation = (Message("user", "Where is the lamp?"), Message("assistant", "Up top."))
@@ -249,7 +250,7 @@ def test_responses_that_finish_together_are_committed_together(tmp_path: Path) -
     async def keep(rid: str) -> None:
         await store.keep(rid, {"id": rid, "text": rid * 10}, conversation)
         kept.append(rid)
-        with sqlite3.connect(path) as other:
+        with sqlite3.connect(path) as other:  # on disk, for anyone, once keep() returns
             assert other.execute("SELECT COUNT(*) FROM responses WHERE id = ?", (rid,)).fetchone()[0] == 1
 
     async def main() -> None:
@@ -269,10 +270,60 @@ def test_responses_that_finish_together_are_committed_together(tmp_path: Path) -
 
     trio.run(main)
     assert sorted(kept) == sorted(f"r{i}" for i in range(40))
-    assert sum(commits) == 41 and commits[0] == 1 and len(commits) <= 3, commits
+    assert commits == [frozenset({"first"}), frozenset(f"r{i}" for i in range(40))]
     assert store.get("first") is not None and store.stats()["stored"] == 41
     store.close()
     assert open_responses(path).stats()["entries"] == 41
+
+
+def test_a_request_waits_for_its_own_commit_only(tmp_path: Path) -> None:
+    """Under a steady arrival of responses, each keep() returns once its own group is on disk, never held for the
+    groups that gathered after it (the first one's request used to commit every later group)."""
+    store = open_responses(tmp_path / "responses.sqlite")
+    gates: list[threading.Event] = []  # one per commit: the test says when its sync to disk ends
+    put_many = store.put_many
+
+    def gated(puts: list[Any]) -> None:
+        gate = threading.Event()
+        gates.append(gate)
+        gate.wait(30)
+        put_many(puts)
+
+    store.put_many = gated  # type: ignore[method-assign]
+    conversation = (Message("user", "Where is the lamp?"),)
+    returned: list[str] = []
+
+    async def keep(rid: str) -> None:
+        await store.keep(rid, {"id": rid}, conversation)
+        returned.append(rid)
+
+    async def commits_under_way(n: int) -> None:
+        """Until the n-th commit's worker thread waits at its gate (threads start in their own time)."""
+        while len(gates) < n:
+            await trio.sleep(0.001)
+        await trio.testing.wait_all_tasks_blocked()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep, "a")  # leads the first commit
+            await commits_under_way(1)
+            nursery.start_soon(keep, "b")  # leads the second, behind the first
+            nursery.start_soon(keep, "c")  # joins the second
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(gates) == 1 and returned == []
+            gates[0].set()
+            await commits_under_way(2)
+            assert returned == ["a"]
+            nursery.start_soon(keep, "d")  # leads the third, behind the second
+            await trio.testing.wait_all_tasks_blocked()
+            gates[1].set()
+            await commits_under_way(3)
+            assert sorted(returned) == ["a", "b", "c"]  # b led its commit, and is back while d's waits on disk
+            gates[2].set()
+
+    trio.run(main)
+    assert sorted(returned) == ["a", "b", "c", "d"] and store.stats()["stored"] == 4
+    store.close()
 
 
 # --------------------------------------------------------------------------- damaged files, one server
