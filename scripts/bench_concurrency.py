@@ -170,7 +170,7 @@ async def lean_stream(url: str, body: dict[str, Any], on_first: Callable[[], Non
                         on_first()
                 tail = data[-32:]
         result.end = time.perf_counter()
-    except OSError as exc:
+    except (OSError, trio.BrokenResourceError) as exc:  # refused, reset: a failed request, counted as one
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     raw = b"".join(pieces)
