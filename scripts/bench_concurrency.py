@@ -210,18 +210,17 @@ def dechunk(body: bytes) -> bytes:
     return b"".join(out)
 
 
+def load_client(connections: int) -> contextlib.AbstractAsyncContextManager[httpx.AsyncClient | None]:
+    """The client ``stream_one`` takes: ``None`` for the lean one (a connection per stream), else an httpx pool."""
+    if CLIENT[0] == "lean":
+        return contextlib.nullcontext()
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits)
+
+
 async def run_level(url: str, model: str, concurrency: int, max_tokens: int) -> list[RequestResult]:
     results: list[RequestResult] = []
-    if CLIENT[0] == "lean":
-        async def lean(i: int) -> None:
-            results.append(await stream_one(None, url, model, prompt_text(i), max_tokens))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(concurrency):
-                nursery.start_soon(lean, i)
-        return results
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+    async with load_client(concurrency + 8) as client:
         async def one(i: int) -> None:
             results.append(await stream_one(client, url, model, prompt_text(i), max_tokens))
 
@@ -260,10 +259,7 @@ async def arrival_test(url: str, model: str, max_tokens: int, background: int = 
     """TTFT of a request arriving while ``background`` streams decode, against its idle TTFT (medians of
     ``probes`` requests each: on a tiny model both are a few milliseconds, and single probes scatter)."""
     probe_text = prompt_text(10_000)
-    limits = httpx.Limits(max_connections=background + 8, max_keepalive_connections=background + 8)
-    lean = CLIENT[0] == "lean"
-    async with (contextlib.nullcontext() if lean else httpx.AsyncClient(timeout=httpx.Timeout(900.0),
-                                                                         limits=limits)) as client:
+    async with load_client(background + 8) as client:
         idle = []
         for _ in range(probes):
             r = await stream_one(client, url, model, probe_text, 4)
