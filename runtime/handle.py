@@ -6,7 +6,9 @@ imported by graph checks that must not load the device's libraries.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -15,6 +17,11 @@ from protocols.ir import TokenChunk
 # Takes a chunk as it is handed over, in trio, without awaiting: ``None`` when it took it (it stays offered),
 # else the chunk to put in the channel after all (it is withdrawn; see stages.rows).
 Taker = Callable[[TokenChunk], TokenChunk | None]
+
+# A step's hand-over runs in slices of about this long. Each sequence's chunk runs its request's stages (its
+# lane: detokenizing, formatting, writing to its socket): at 256 rows one step's hand-over is 5–15 ms of the
+# event loop, and the loop's other work (timers, new requests, the lag watch) would wait for all of it.
+SLICE_SECONDS = 0.002
 
 
 class SequenceHandle:
@@ -74,3 +81,45 @@ class SequenceHandle:
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
         self.chunks.close()
+
+
+class _Handover:
+    """The chunks of one trio run's sequences waiting to be handed to their handles, in the order they came."""
+
+    def __init__(self) -> None:
+        self.pending: deque[tuple[SequenceHandle, TokenChunk | None]] = deque()
+        self.scheduled = False
+
+    def add(self, items: Iterable[tuple[SequenceHandle, TokenChunk | None]]) -> None:
+        self.pending.extend(items)
+        if not self.scheduled:
+            self.drain()
+
+    def drain(self) -> None:
+        """Hand chunks over for one slice; what is left goes on at the loop's next turn (the chunks of a later
+        step queue behind it, so a sequence's chunks keep their order)."""
+        self.scheduled = False
+        pending = self.pending
+        deadline = time.perf_counter() + SLICE_SECONDS
+        while pending:
+            handle, chunk = pending.popleft()
+            handle.put(chunk)
+            if pending and time.perf_counter() >= deadline:
+                self.scheduled = True
+                trio.lowlevel.current_trio_token().run_sync_soon(self.drain)
+                return
+
+
+_HANDOVER: trio.lowlevel.RunVar[_Handover] = trio.lowlevel.RunVar("flow_handover")
+
+
+def hand_over(items: Iterable[tuple[SequenceHandle, TokenChunk | None]]) -> None:
+    """In trio: give each sequence its chunk (None: it failed), a slice of the loop's time at a time.
+
+    The engine's crossing (``runtime.outbox``) calls this once per step for every row; so does the echo device."""
+    try:
+        handover = _HANDOVER.get()
+    except LookupError:
+        handover = _Handover()
+        _HANDOVER.set(handover)
+    handover.add(items)

@@ -2,7 +2,7 @@
 
 The phases put each sequence's :class:`TokenChunk` (None: it failed, its handle's ``error`` says why) into the
 engine's :class:`Outbox`; :meth:`Outbox.flush` hands them over in **one** ``run_sync_soon`` crossing per trio
-run — the step's phase table says when (after the batch's tokens are read, as each prefilled group's first
+run (:func:`runtime.handle.hand_over`, which gives the loop's other work a turn every few milliseconds) — the step's phase table says when (after the batch's tokens are read, as each prefilled group's first
 tokens are sampled, at the step's end). A follower rank's replicas have no trio run: rank 0 hands out their tokens.
 
 Never imports the engine.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import trio
 
 from protocols.ir import TokenChunk
-from runtime.handle import SequenceHandle
+from runtime.handle import SequenceHandle, hand_over
 from runtime.sequence import Sequence
 
 
@@ -39,12 +39,7 @@ class Outbox:
             if token is None:
                 continue  # a follower rank's replicas: rank 0 hands out the tokens
             try:
-                token.run_sync_soon(_send_all, handed)
+                token.run_sync_soon(hand_over, handed)
             except trio.RunFinishedError:
                 pass  # the server's trio run is gone; nobody is listening
 
-
-def _send_all(items: list[tuple[SequenceHandle, TokenChunk | None]]) -> None:
-    """Runs in trio: one call per flush delivers every sequence's chunk."""
-    for handle, chunk in items:
-        handle.put(chunk)

@@ -8,7 +8,7 @@ reproducible on random-weight test models, and measures what flow's own Python c
 "As a model would" is kept to the letter, since the benchmarks read the per-token cost off it:
 
 - an :class:`EchoDevice` steps all its rows together, one token per row per step, and hands each step's
-  chunks to their rows' channels in one pass, as the engine's one crossing per step does;
+  chunks over with :func:`runtime.handle.hand_over`, as the engine's one crossing per step does;
 - a row ends as a sequence does: its last token carries ``length`` at ``max_tokens``; a script that runs out
   before gets an empty ``stop`` chunk one step later (the step that sampled the end-of-sequence token), and a
   stop token in the script stops it the same way;
@@ -34,7 +34,7 @@ from pydantic import Field
 
 from flow.graph.stage import Outbox, Step
 from protocols.ir import Generation, GenerationStarted, PreparedPrompt, TokenChunk
-from runtime.handle import SequenceHandle
+from runtime.handle import SequenceHandle, hand_over
 from stages.chat import ModelStageConfig
 from stages.model_stage import ModelStage
 from stages.rows import EachPrompt, forward_rows
@@ -82,17 +82,20 @@ class EchoDevice:
         return row
 
     def step(self) -> None:
-        """One step: a chunk for every live row, handed to the rows' channels in one pass."""
+        """One step: a chunk for every live row, handed over as the engine hands over a step's chunks."""
         self.steps += 1
-        alive = []
+        alive: list[EchoRow] = []
+        handed: list[tuple[SequenceHandle, TokenChunk | None]] = []
         for row in self.rows:
             if row.finished:  # cancelled
                 row.end()
                 continue
-            row.put(row.next_chunk())  # a finish closes its channel; a reader gone cancels it
-            if not row.finished:
+            chunk = row.next_chunk()
+            handed.append((row, chunk))  # a finish closes its channel; a reader gone cancels it
+            if chunk.finish_reason is None:
                 alive.append(row)
         self.rows = alive
+        hand_over(handed)
 
     async def _run(self) -> None:
         try:

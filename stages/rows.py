@@ -92,8 +92,7 @@ async def forward_rows(started: GenerationStarted, rows: Sequence[Row], outbox: 
         except trio.BrokenResourceError:
             return False
         if len(rows) == 1:  # one choice, the common case: no task of its own, and its tokens in the step's pass
-            # A stream's end waits its turn here; a whole body's answer waits for its turn when it is sent.
-            if not await _forward_one(rows[0], outbox, pace_end=started.prompt.request.stream):
+            if not await _forward_one(rows[0], outbox):
                 return False
         else:
             stopped: list[bool] = []
@@ -158,10 +157,10 @@ class Lane:
         return None if outbox.ready() else WAKE
 
 
-async def _forward_one(row: Row, outbox: Outbox[Generation], pace_end: bool) -> bool:
+async def _forward_one(row: Row, outbox: Outbox[Generation]) -> bool:
     """The one row's chunks; ``False`` when downstream stopped reading. While the task waits, the row's
-    tokens go through its lane (when the stages take them synchronously); ``pace_end``: its last chunk waits
-    for the request's turn (:func:`flow.graph.stage.paced`)."""
+    tokens go through its lane (when the stages take them synchronously); its last chunk waits for the
+    request's turn (:func:`flow.graph.stage.paced`): the end of a stream, or the whole body's formatting."""
     lane = Lane(outbox) if outbox.sends_now() else None
     chunks = row.chunks
     try:
@@ -186,8 +185,8 @@ async def _forward_one(row: Row, outbox: Outbox[Generation], pace_end: bool) -> 
                     return False
                 await outbox.drain()
                 continue
-            if pace_end and chunk.finish_reason is not None:
-                await paced()  # streams whose rows end in one step end a few per turn of the loop
+            if chunk.finish_reason is not None:
+                await paced()  # requests whose rows end in one step end a few per turn of the loop
             await outbox.send(merge_pending(chunk, chunks))
     except trio.BrokenResourceError:
         return False

@@ -99,9 +99,10 @@ _REQUEST_PACE: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("fl
 
 
 async def paced() -> None:
-    """Wait for this request's turn, before work that many requests may have at once: the end of a stream, when
-    every row of an engine step finished together (all asked for the same number of tokens). Spread over turns
-    of the event loop, the streams still running get their tokens between them. No wait outside a server."""
+    """Wait for this request's turn, before work that many requests may have at once: the end of a request (a
+    stream's last frames, a whole body's formatting), when every row of an engine step finished together (all
+    asked for the same number of tokens). Spread over turns of the event loop, the streams still running get
+    their tokens between them. No wait outside a server."""
     pace = _REQUEST_PACE.get()
     if pace is not None:
         await pace()

@@ -4,8 +4,9 @@ trio runs every task that is ready in one turn of its scheduler and looks at its
 turns. When many requests become ready together — a wave of clients that all got their answers in the same engine
 step and all send the next request at once — each one's work (reading and decoding its body, starting its run,
 sending its answer, ending its stream) runs in that one turn, back to back: with 256 of them the loop was held for
-50–100 ms, and every stream in flight waited that long for its next token. (A stream's end waits here through
-``flow.graph.stage.paced``: the server hands each request :meth:`TurnPacer.turn` with its notes.)
+50–100 ms, and every stream in flight waited that long for its next token. (A request's end — a stream's last
+frames, a whole body's formatting — waits here through ``flow.graph.stage.paced``: the server hands each request
+:meth:`TurnPacer.turn` with its notes.)
 
 :class:`TurnPacer` spreads such a wave: the first ``per_turn`` callers of a turn go on at once (no await), the rest
 queue in arrival order, and a releaser task lets ``per_turn`` of them go each later turn, so the streams' frames and

@@ -39,6 +39,7 @@ import trio
 from flow.graph.compiled import CompiledGraph, CompileError
 from flow.graph.runner import RouteRunner
 from flow.graph.stage import EntryStage, ExitStage, request_notes
+from flow.resources import heap
 from flow.resources.model import ModelResource
 from flow.serve.exit import BodyWriter, ResponseExit, RunExit
 from flow.serve.guard import Guard
@@ -146,6 +147,7 @@ class FlowServer:
         """Start the device thread and the first graph's resources (concurrently); their background duties
         run in ``nursery``."""
         nursery.start_soon(self.loop_watch.run)
+        nursery.start_soon(heap.collect_when_quiet, lambda: (self.requests_active, self.requests_total))
         self.device.start()
         await self.live.start(nursery)
         self.started = True

@@ -12,7 +12,9 @@ every sequence finished and none was cancelled or failed.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -28,7 +30,9 @@ import httpx
 import pytest
 
 from flow.builtins import compile_tables
+from flow.resources import heap
 from flow.serve.pacing import PER_TURN
+from runtime import handle
 from tests.harness import RunningServer, running_server, tables_with_model
 
 CLIENTS = 64
@@ -255,10 +259,35 @@ def test_64_concurrent_chat_streams_all_complete(server: RunningServer, referenc
     run_load(server, reference, [("openai", PROMPTS[i % len(PROMPTS)]) for i in range(CLIENTS)])
 
 
-def test_64_concurrent_streams_across_protocols_all_complete(server: RunningServer,
-                                                             reference: dict[str, str]) -> None:
+def test_64_concurrent_streams_across_protocols_all_complete(server: RunningServer, reference: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """And each step's tokens handed over one row per slice of the loop (``runtime.handle.hand_over``): the
+    later steps' tokens queue behind, and every stream still gets its own tokens in order."""
+    slices = [0]
+    drain = handle._Handover.drain
+
+    def counted(self: handle._Handover) -> None:
+        slices[0] += 1
+        drain(self)
+
+    monkeypatch.setattr(handle, "SLICE_SECONDS", 0.0)
+    monkeypatch.setattr(handle._Handover, "drain", counted)
     protocols = ("openai", "anthropic", "responses")
     run_load(server, reference, [(protocols[i % 3], PROMPTS[i % len(PROMPTS)]) for i in range(CLIENTS)])
+    assert slices[0] > CLIENTS * MAX_TOKENS // 2, slices  # about one per token
+
+
+def test_a_full_collection_runs_once_the_server_is_quiet(server: RunningServer,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Full collections of the cycle collector wait for a moment with no request in flight
+    (``flow.resources.heap``): after a request, one runs within a few checks."""
+    caplog.set_level(logging.DEBUG, logger="flow.resources.heap")
+    gc.collect(1)  # something reached the oldest generation
+    r = httpx.post(server.url + "/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages(PROMPTS[0]), "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    wait_for(lambda: any("quiet: full collection" in m for m in caplog.messages), "a full collection", 30)
+    assert gc.get_threshold()[2] == heap.BUSY_FULL_EVERY  # the model loaded: the heap settled
 
 
 # --------------------------------------------------------------------------- a burst of short requests
