@@ -13,12 +13,38 @@ from runtime.device import DeviceThread, keep_buffers
 MB = 2**20
 
 
-def test_the_cpu_keeps_freed_buffers_up_to_the_memory_limit() -> None:
+def test_the_cpu_keeps_freed_buffers_up_to_what_is_loaded() -> None:
+    """At least CACHE_FLOOR_BYTES (MLX's own CPU default would be 32 MB), as much as the arrays alive once more is
+    loaded, and the limit follows an unload down: the device thread fits it after every job."""
     if mx.default_device().type != mx.DeviceType.cpu:
         pytest.skip("MLX's GPU backends keep their buffers already")
-    limit = keep_buffers()
-    assert limit == mx.get_memory_limit() > 32 * MB  # MLX's own CPU default would be 32 MB
-    assert mx.set_cache_limit(limit) == limit
+    floor = runtime.device.CACHE_FLOOR_BYTES
+    assert floor > 32 * MB
+    device = DeviceThread("test-cache-limit")
+
+    def fitted() -> tuple[int, int]:
+        """The limit the last job left, and what is alive (nothing ran on the device thread in between)."""
+        return device.cache_limit, int(mx.get_active_memory())
+
+    try:
+        limit, alive = device.call(fitted)
+        assert limit == max(floor, alive)
+        weights: list[mx.array] = []
+
+        def load() -> None:  # a model's weights: 640 MB, more than the floor
+            weights.append(mx.ones((160 * MB,), dtype=mx.float32))
+            mx.eval(weights[-1])
+
+        device.call(load)
+        loaded, alive = device.call(fitted)
+        assert loaded == alive >= 640 * MB
+        assert device.stats_json()["buffer_cache_limit_mib"] == round(loaded / MB, 1)
+        device.call(weights.clear)  # unloaded
+        limit, alive = device.call(fitted)
+        assert limit == max(floor, alive) < loaded
+        assert keep_buffers() == max(floor, int(mx.get_active_memory()))
+    finally:
+        device.stop()
 
 
 def test_an_idle_device_releases_its_cached_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
