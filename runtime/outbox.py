@@ -2,8 +2,9 @@
 
 The phases put each sequence's :class:`TokenChunk` (None: it failed, its handle's ``error`` says why) into the
 engine's :class:`Outbox`; :meth:`Outbox.flush` hands them over in **one** ``run_sync_soon`` crossing per trio
-run (:func:`runtime.handle.hand_over`, which gives the loop's other work a turn every few milliseconds) — the step's phase table says when (after the batch's tokens are read, as each prefilled group's first
-tokens are sampled, at the step's end). A follower rank's replicas have no trio run: rank 0 hands out their tokens.
+run (to :func:`runtime.handle.hand_over`, which gives the loop's other work a turn every few milliseconds) — the
+step's phase table says when (after the batch's tokens are read, as each prefilled group's first tokens are
+sampled, at the step's end). A follower rank's replicas have no trio run: rank 0 hands out their tokens.
 
 Never imports the engine.
 """
