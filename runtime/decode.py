@@ -5,8 +5,11 @@ verify pass (``runtime/speculative_step.py``) — samples every row (:func:`runt
 per-sequence parameters and keys), and reads the *previous* step's tokens (one ``tolist()`` for the batch): the
 inputs of this pass are the tokens sampled last step. On a GPU the pass is launched before the read, so the
 device computes step *n+1* while Python hands out step *n* (the pipelining of ``mlx_lm.generate_step``, for the
-whole batch); on the CPU ``async_eval`` computes most of the pass before returning, so it is left in
-:attr:`Decoded.launch` for the engine's launch phase, after the step's prefill. A row whose input is its first
+whole batch). On the CPU ``async_eval`` computes most of the pass before returning: while a prompt waits, the
+pass is left in :attr:`Decoded.launch` for the engine's launch phase, after the step's prefill (the new
+arrival's first token does not wait for the batch's pass); otherwise (``early``) it is launched before the read
+too, as mlx-lm does — reading first left the device idle between the end of one pass and the start of the next
+(5 % of a step on an 80M model). A row whose input is its first
 token ("fresh") hands nothing out: that token went out when it was sampled. A finished row's extra token is
 dropped with its row.
 
@@ -43,11 +46,12 @@ class Decoder:
         self._pipelined = pipelined  # a GPU: launch the pass before reading the last step's tokens
         self._lone = LoneRowViews()  # a batch of one row runs on single-sequence cache views
 
-    def step(self, batch: DecodeBatch) -> Decoded:
-        """Decode one step of the batch; the rows that finished leave it (their extra token with them)."""
+    def step(self, batch: DecodeBatch, early: bool = False) -> Decoded:
+        """Decode one step of the batch; the rows that finished leave it (their extra token with them). ``early``:
+        on the CPU too, launch the pass before reading the last step's tokens (no prompt waits for the device)."""
         start = time.perf_counter()
         drafts = self._speculator.drafts(batch)
-        decoded = self._speculator.verify(batch, *drafts) if drafts is not None else self._plain(batch)
+        decoded = self._speculator.verify(batch, *drafts) if drafts is not None else self._plain(batch, early)
         now = time.perf_counter()
         self._tally.finished(len(decoded.finished), now)
         self._keeper.keep_finished(batch, decoded.finished)  # read from their rows before the rows go
@@ -63,13 +67,17 @@ class Decoder:
     def launch(self, arrays: list[mx.array]) -> None:
         """Compute a pass :meth:`step` left to launch (CPU), counted as decode time."""
         if arrays:
-            start = time.perf_counter()
-            mx.async_eval(*arrays)  # type: ignore[no-untyped-call]
-            seconds = time.perf_counter() - start
-            self._tally.stats.decode_seconds += seconds
-            self._step_cost.add(int(arrays[0].shape[0]), seconds)
+            self._tally.stats.decode_seconds += self._compute(arrays)
 
-    def _plain(self, batch: DecodeBatch) -> Decoded:
+    def _compute(self, arrays: list[mx.array]) -> float:
+        """The CPU: compute a decode pass (most of it, before ``async_eval`` returns); its seconds."""
+        start = time.perf_counter()
+        mx.async_eval(*arrays)  # type: ignore[no-untyped-call]
+        seconds = time.perf_counter() - start
+        self._step_cost.add(int(arrays[0].shape[0]), seconds)
+        return seconds
+
+    def _plain(self, batch: DecodeBatch, early: bool) -> Decoded:
         inputs = batch.inputs
         assert inputs is not None
         # An input's index is its row's prompt and the tokens fed back before it (M-RoPE models' positions).
@@ -105,11 +113,14 @@ class Decoder:
         if self._pipelined:
             # The device computes this step while Python reads and hands out the last one.
             mx.async_eval(*launch)  # type: ignore[no-untyped-call]
+        elif early:
+            self._compute(launch)  # the CPU: this pass now, the last one's tokens after it
         if values is None:
             values = inputs.tolist()  # type: ignore[assignment]
             assert values is not None
         logprobs = _read_report(batch, values)
-        decoded = Decoded([], [], [], sample.tokens, sample.report, launch=[] if self._pipelined else launch)
+        decoded = Decoded([], [], [], sample.tokens, sample.report,
+                          launch=[] if self._pipelined or early else launch)
         now = time.perf_counter()
         for i, seq in enumerate(batch.seqs):
             token = values[i]

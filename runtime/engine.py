@@ -470,7 +470,8 @@ class Engine:
 
     def _decode(self) -> bool:
         if self._batch.seqs:
-            decoded = self._decoder.step(self._batch)
+            # No prompt waits: on the CPU too, this step's pass runs before the last step's tokens are read.
+            decoded = self._decoder.step(self._batch, early=not self.prefill.has_work())
             self._outbox.put_all(decoded.chunks)
             self._launch = decoded.launch
             self._update_gauges()

@@ -643,6 +643,36 @@ async def test_on_the_cpu_a_new_arrival_starts_before_the_batch_computes(qwen3: 
     assert joined and all(s.index("start 1") < s.index("batch pass") for s in joined), steps
 
 
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="the CPU ordering of a step")
+async def test_on_the_cpu_with_no_prompt_waiting_the_pass_runs_before_the_last_tokens_are_read(
+        qwen3: Loaded, engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-lm's order (step n+1's pass launched, then step n's tokens read), as on a GPU, while no prompt waits for
+    the device; the launch phase's order while one does (the step above). The same tokens either way."""
+    engine = engines(qwen3)
+    decoder = engine._decoder
+    passes: list[str] = []
+    real_step, real_launch = decoder.step, decoder.launch
+
+    def step(batch: Any, early: bool = False) -> Any:
+        passes.append("early" if early else "in the launch phase")
+        return real_step(batch, early)
+
+    def launch(arrays: list[mx.array]) -> None:
+        if arrays:
+            passes.append("launched")
+        real_launch(arrays)
+
+    monkeypatch.setattr(decoder, "step", step)
+    monkeypatch.setattr(decoder, "launch", launch)
+    prompts = [qwen3.chat(PROMPTS[0]), qwen3.chat(PROMPTS[4])]
+    results = await run_all(engine, prompts, 24, stagger_after=4)
+    assert [r.tokens for r in results] == [qwen3.reference(p, 24) for p in prompts]
+    assert passes.count("early") > 20 and passes.count("in the launch phase") >= 1, passes
+    # each pass left to the launch phase is launched there, and only those
+    assert passes.count("launched") == passes.count("in the launch phase"), passes
+    assert all(after == "launched" for before, after in zip(passes, passes[1:]) if before == "in the launch phase")
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_every_step_runs_the_phase_tables_order(qwen3: Loaded, engines: Engines, strategy: str) -> None:
     """Each step the engine takes, with sequences arriving, prefilling, decoding and finishing, runs exactly the
