@@ -303,6 +303,7 @@ $("pull-form").addEventListener("submit", async (event) => {
     return;
   }
   $("pull-repo").value = "";
+  downloadsActive = true;  // queued: a pull that is done before the next reading still refreshes the library
   loadDownloads();
 });
 
