@@ -9,9 +9,8 @@ whole batch). On the CPU ``async_eval`` computes most of the pass before returni
 pass is left in :attr:`Decoded.launch` for the engine's launch phase, after the step's prefill (the new
 arrival's first token does not wait for the batch's pass); otherwise (``early``) it is launched before the read
 too, as mlx-lm does — reading first left the device idle between the end of one pass and the start of the next
-(5 % of a step on an 80M model). A row whose input is its first
-token ("fresh") hands nothing out: that token went out when it was sampled. A finished row's extra token is
-dropped with its row.
+(5 % of a step on an 80M model). A row whose input is its first token ("fresh") hands nothing out: that token
+went out when it was sampled. A finished row's extra token is dropped with its row.
 
 :meth:`Decoder.step` returns what the step decided (:class:`runtime.sequence.Decoded`); the engine's deliver
 phase hands the chunks out. Never imports the engine or trio.

@@ -157,8 +157,9 @@ class DeviceThread:
         self.stream: Any = None  # the MLX stream, created on the device thread itself
         self.cores: CoreSharing | None = None  # BLAS threads against the event loop's load (runtime.blas_threads)
         self._worked = False  # a step or a job ran since the last idle release
-        self._fit_cache = False  # the CPU: MLX's buffer cache is sized to what is loaded (set by the loop)
-        self.cache_limit = 0  # bytes of freed buffers MLX may keep, as last set here (0: MLX's own limit)
+        # Bytes of freed buffers MLX may keep, as last set here (0: not the CPU, MLX's own limit; on the CPU it
+        # follows what is loaded, fitted after each job)
+        self.cache_limit = 0
         self.releases = 0  # idle releases done
         self.last_release: dict[str, float | bool] = {}  # the last one's figures (for /stats)
 
@@ -253,7 +254,6 @@ class DeviceThread:
 
         self.stream = mx.new_stream(mx.default_device())
         self.cache_limit = keep_buffers()
-        self._fit_cache = self.cache_limit > 0  # the CPU: the cache follows what is loaded, after each job
         cores = self.cores = CoreSharing.for_main_thread()
         with mx.stream(self.stream):
             while not self._stop.is_set():
@@ -288,7 +288,7 @@ class DeviceThread:
                         future.set_result(fn())
                     except BaseException as exc:  # delivered to the waiter, never lost
                         future.set_exception(exc)
-                    if self._fit_cache:  # a job may have loaded or unloaded a model
+                    if self.cache_limit:  # the CPU: a job may have loaded or unloaded a model
                         self.cache_limit = fit_buffer_cache()
             try:
                 item = self._jobs.get_nowait()
