@@ -9,7 +9,9 @@ padding) are prefilled in **one** right-padded forward pass into a batch cache o
 (``prepare``/``finalize`` turn the right padding into left padding); a prompt with a prefix-cache hit joins such
 a group where every layer keeps a plain KV cache. Any other prompt is prefilled alone, into a cache of its *own*
 (a plain single-sequence mlx-lm prompt cache, built from its hit if it has one), in chunks that may span steps —
-so a long prompt never stalls the running streams for more than one chunk. A vision prompt's image spans need
+so a long prompt never stalls the running streams for more than one chunk. A prompt that fits a step's budget
+whole is not split to use up the rest of one: it waits for the next step, where it is prefilled in one pass
+(with the prompts behind it) rather than in two passes of one row. A vision prompt's image spans need
 their input embeddings first: from the feature cache at once, or from a vision-tower job that runs beside the
 steps (the prompt waits aside, in :attr:`Prefill.towers`, and returns to the head of the queue).
 
@@ -137,6 +139,7 @@ class Prefill:
     def run(self, budget: int) -> None:
         """Spend up to ``budget`` prompt tokens on waiting sequences, oldest first; start those that are done."""
         start = time.perf_counter()
+        whole, spent = budget, False
         if self.towers:
             self._take_towers()
         while True:
@@ -148,6 +151,7 @@ class Prefill:
             group = self._group(budget)
             if len(group) > 1:
                 budget -= self._run_group(group)
+                spent = True
                 continue
             seq = self.waiting[0]
             if seq.followers and self._room() < 1 + len(seq.followers) and (self._batch_rows() or self.ready):
@@ -156,9 +160,13 @@ class Prefill:
                 budget -= self._embed_images(seq)
                 continue
             if seq.to_prefill > 0:
-                if budget <= 0:
+                if budget <= 0 or (spent and seq.cache is None and budget < seq.to_prefill <= whole):
+                    # A prompt that fits a step's budget whole is not split to use up this one's rest: its two
+                    # chunks would be two passes of one row (each with the whole model's fixed cost), and next
+                    # step it is prefilled in one, with the prompts behind it.
                     break
                 budget -= self._run_chunk(seq, self._keeper.snapshot_chunk(seq, min(budget, seq.to_prefill)))
+                spent = True
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._start_head()
         self._tally.stats.prefill_seconds += time.perf_counter() - start

@@ -218,11 +218,17 @@ def load_client(connections: int) -> contextlib.AbstractAsyncContextManager[http
     return httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits)
 
 
-async def run_level(url: str, model: str, concurrency: int, max_tokens: int) -> list[RequestResult]:
+def first_prompt(position: int) -> int:
+    """The first prompt number of the ``position``-th level: every level (and the warm-up, at 0) asks new prompts,
+    so no server's prefix cache holds a level's prompts from the one before."""
+    return 1_000 * (position + 1)
+
+
+async def run_level(url: str, model: str, concurrency: int, max_tokens: int, first: int = 0) -> list[RequestResult]:
     results: list[RequestResult] = []
     async with load_client(concurrency + 8) as client:
         async def one(i: int) -> None:
-            results.append(await stream_one(client, url, model, prompt_text(i), max_tokens))
+            results.append(await stream_one(client, url, model, prompt_text(first + i), max_tokens))
 
         async with trio.open_nursery() as nursery:
             for i in range(concurrency):
@@ -342,11 +348,12 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
 
 def start_flow(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) -> subprocess.Popen[bytes]:
     graph = tmp / "bench-graph.toml"
+    # The prefix cache's disk tier in a fresh directory at every start: the other servers start cold each round.
     graph.write_text(
         f'extends = "{ROOT / "graphs" / "default.toml"}"\n\n[resources.model]\npath = "{model_dir}"\n'
         f'name = "bench"\naliases = []\nmax_batch = {args.max_batch}\nprefill_chunk = {args.prefill_chunk}\n'
         f'strategy = "{args.strategy}"\nmax_queue = 1024\n\n'
-        f'[resources.prefix_cache]\ndirectory = "{tmp / "kv-cache"}"\n')
+        f'[resources.prefix_cache]\ndirectory = "{tempfile.mkdtemp(prefix="kv-cache-", dir=tmp)}"\n')
     flow_bin = Path(sys.executable).parent / "flow"
     cmd = [str(flow_bin), "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "flow.log", "wb"))
@@ -400,9 +407,9 @@ def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
         wait_ready(url, proc)
         trio.run(run_level, url, model, 2, 8)  # warm-up: kernels, first-request paths
         levels: dict[str, Any] = {}
-        for level in args.levels:
+        for position, level in enumerate(args.levels):
             server_cpu, client_cpu = process_cpu_s(proc.pid), own_cpu_s()
-            summary = summarize(trio.run(run_level, url, model, level, args.max_tokens))
+            summary = summarize(trio.run(run_level, url, model, level, args.max_tokens, first_prompt(position)))
             cpu_figures(summary, {"server": process_cpu_s(proc.pid) - server_cpu, "client": own_cpu_s() - client_cpu})
             levels[str(level)] = summary
             print(f"{name:>14} c={level:<3} {summary.get('aggregate_tps', 0):>7} tok/s  TTFT p50 "
@@ -429,14 +436,14 @@ def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, 
 
     model, tokenizer = load(model_dir)[:2]
 
-    def prompts(n: int) -> list[list[int]]:
+    def prompts(n: int, first: int = 0) -> list[list[int]]:
         return [list(tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
-            chat_messages(prompt_text(i)), add_generation_prompt=True)) for i in range(n)]
+            chat_messages(prompt_text(first + i)), add_generation_prompt=True)) for i in range(n)]
 
     batch_generate(model, tokenizer, prompts(2), max_tokens=8)  # warm-up
     out: dict[str, Any] = {}
-    for level in levels:
-        p = prompts(level)
+    for position, level in enumerate(levels):
+        p = prompts(level, first_prompt(position))
         start, cpu = time.perf_counter(), own_cpu_s()
         response = batch_generate(model, tokenizer, p, max_tokens=max_tokens, return_token_ids=True)
         wall, cpu = time.perf_counter() - start, own_cpu_s() - cpu

@@ -310,6 +310,21 @@ async def test_every_strategy_gives_the_same_greedy_output(qwen3: Loaded, engine
     assert engine.stats.prefill_chunks > len(prompts)  # prompts were split into chunks
 
 
+async def test_a_short_prompt_is_not_split_to_use_up_a_steps_budget(qwen3: Loaded, engines: Engines) -> None:
+    # Three 10-token prompts queued before one step, a budget of 20: two are prefilled together (2 × 9 tokens);
+    # the third would fit only in pieces (2 tokens now, 7 next step: two passes of one row) and waits for the
+    # next step, where it is prefilled in one pass. Its answer is the same.
+    engine = engines(qwen3, prefill_chunk=20)
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))
+    prompts = [list(range(300 + 20 * i, 310 + 20 * i)) for i in range(3)]
+    handles = [engine.submit(p, max_tokens=4, stop_ids=frozenset(), sampling=GREEDY) for p in prompts]
+    hold.set()
+    results = [await collect(h) for h in handles]
+    assert engine.stats.grouped_prefills == 1 and engine.stats.prefill_chunks == 2
+    assert [r.tokens for r in results] == [qwen3.reference(p, 4) for p in prompts]
+
+
 async def test_long_prefill_interleaves_with_decoding(qwen3: Loaded, engines: Engines) -> None:
     engine = engines(qwen3, prefill_chunk=16)
     short = qwen3.chat("hi")
