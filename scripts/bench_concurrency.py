@@ -354,8 +354,8 @@ def start_flow(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) 
         f'name = "bench"\naliases = []\nmax_batch = {args.max_batch}\nprefill_chunk = {args.prefill_chunk}\n'
         f'strategy = "{args.strategy}"\nmax_queue = 1024\n\n'
         f'[resources.prefix_cache]\ndirectory = "{tempfile.mkdtemp(prefix="kv-cache-", dir=tmp)}"\n')
-    flow_bin = Path(sys.executable).parent / "flow"
-    cmd = [str(flow_bin), "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
+    # As a module, not the console script: a checkout run from PYTHONPATH (a lent GPU machine) has no `flow` on PATH.
+    cmd = [sys.executable, "-m", "flow.cli", "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / "flow.log", "wb"))
 
 
