@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import trio
-import trio.testing
 from pydantic import Field
 
 from flow.graph.stage import Outbox, Step
@@ -98,11 +97,15 @@ class EchoDevice:
         hand_over(handed)
 
     async def _run(self) -> None:
+        # Imported here, not with the module: trio.testing brings pytest (and rich, pygments) when it is installed,
+        # ~0.1 s of every server's start and its memory, for a stage only the benchmarks and tests run.
+        from trio.testing import wait_all_tasks_blocked
+
         try:
             while self.rows:
                 started = trio.current_time()
                 self.step()
-                await trio.testing.wait_all_tasks_blocked()
+                await wait_all_tasks_blocked()
                 if self.step_seconds:
                     await trio.sleep_until(started + self.step_seconds)
         finally:
