@@ -36,13 +36,13 @@ eval "$("$PY" -m flow.cli.blas 2>/dev/null || true)"
 if [ "$QUICK" = 1 ]; then
   [ "$MODEL" = tiny:bench-80m ] && MODEL=tiny:tiny-qwen3
   BENCH=(--max-tokens 32 --rounds 1)
-  CONCURRENCY=(--levels 1,8 --max-tokens 16)
+  CONCURRENCY=(--levels 1,8 --max-tokens 16 --systems flow,mlx_lm.server,raw)
   PIPELINE=(--quick --protocols openai,anthropic --modes stream)
   PREFIX=(--turns 2 --system-tokens 300 --answer-tokens 8 --no-mlx-lm)
   LIMITS=(120 240 240 240)
 else
   BENCH=(--max-tokens 128 --rounds 3)
-  CONCURRENCY=(--levels 1,8,32,64 --max-tokens 64)
+  CONCURRENCY=(--levels 1,8,32,64 --max-tokens 64 --systems flow,mlx_lm.server,raw)
   PIPELINE=(--levels 1,8,64,256 --min-tokens 10000)
   PREFIX=(--turns 6)
   LIMITS=(75 150 135 100)  # seconds: 7.7 minutes at most, with the servers' starts

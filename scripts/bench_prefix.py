@@ -108,7 +108,7 @@ def start_server(kind: str, model_dir: Path, port: int, tmp: Path, cache_dir: Pa
     graph.write_text(text)
     home = tmp / f"{label}-home"
     home.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(source), "FLOW_DATA_DIR": str(home)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), *filter(None, [os.environ.get("PYTHONPATH")])]), "FLOW_DATA_DIR": str(home)}
     cmd = [sys.executable, "-m", "flow.cli", "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
     return subprocess.Popen(cmd, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
