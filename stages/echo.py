@@ -98,7 +98,7 @@ class EchoDevice:
 
     async def _run(self) -> None:
         # Imported here, not with the module: trio.testing brings pytest (and rich, pygments) when it is installed,
-        # ~0.1 s of every server's start and its memory, for a stage only the benchmarks and tests run.
+        # ~50 ms of every server's start and its memory, for a stage only the benchmarks and tests run.
         from trio.testing import wait_all_tasks_blocked
 
         try:
