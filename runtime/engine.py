@@ -79,6 +79,8 @@ from runtime.constrained import Constraint
 from runtime.decode import Decoder
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig, EngineOverloaded, SpeculativeConfig
+from runtime import arrivals
+from runtime.arrivals import ARRIVING
 from runtime.engine_stats import Tally
 from runtime.model_memory import kv_bytes_per_token
 from runtime.mtp import MTPDrafter
@@ -291,6 +293,7 @@ class Engine:
         leader.audit = (prefix is not None and images is None and self._replicator is None
                         and (policy.audit or self._auditor.wants()))
         self._streams.update(s.handle for s in seqs)
+        arrivals.submitted()  # the request is here: an idle engine no longer waits for it
         with self._lock:
             self._inbox.append(leader)
             self.stats.submitted += len(seqs)
@@ -478,8 +481,23 @@ class Engine:
         return True
 
     def _prefill(self) -> bool:
+        self._gather()
         self.prefill.run(self._prefill_budget())
         return True
+
+    def _gather(self) -> None:
+        """An idle engine's new prompts wait for the rest of their burst (``runtime/arrivals.py``), so it is
+        prefilled in full groups and its rows join the batch together rather than a pass apart. Not while rows
+        decode (new prompts join them at the next step anyway), while another model has work on the device (it
+        would wait too), nor on a distributed model (every rank must take the same prompts in the same step)."""
+        if (self._batch.seqs or self.prefill.ready or not self.prefill.waiting or self._replicator is not None
+                or not ARRIVING.count or self.device.contended(self)):
+            return
+        ARRIVING.wait(min(s.submitted_at for s in self.prefill.waiting))
+        with self._lock:
+            taken = list(self._inbox)
+            self._inbox.clear()
+        self.prefill.queue(taken)
 
     def _launch_pass(self) -> bool:
         launch, self._launch = self._launch, []

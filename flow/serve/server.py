@@ -52,6 +52,7 @@ from protocols.ir import HttpRequest, WireFrame
 from protocols.limits import CHARS_PER_TOKEN
 from protocols.openai_audio import AUDIO_UPLOAD_BYTES
 from protocols.openai_embeddings import MAX_INPUTS
+from runtime.arrivals import ARRIVING, CURRENT
 from runtime.device import DeviceThread, shared_device
 
 log = logging.getLogger("flow.serve.server")
@@ -270,12 +271,18 @@ class FlowServer:
         entry = gen.stages[runner.route.entry]
         listed = not (isinstance(entry, EntryStage) and http.method in entry.monitoring_methods)
         record = self.observer.request_started(http.request_id, route, listed=listed)
-        nursery.start_soon(self.run_request, gen, runner, http, exit, scope, record)
+        # On its way to an engine until it submits or answers: an idle engine waits for a burst (runtime/arrivals.py).
+        arrival = ARRIVING.started()
+        place = CURRENT.set(arrival)
+        nursery.start_soon(self.run_request, gen, runner, http, exit, scope, record)  # the task takes the context
+        CURRENT.reset(place)
         try:
             await exit.started.wait()
         except BaseException:
             scope.cancel()
             raise
+        finally:
+            arrival.settle()
         first = exit.first
         if first is None:
             raise RuntimeError(f"request {http.request_id}: the run ended without a response")

@@ -325,6 +325,36 @@ async def test_a_short_prompt_is_not_split_to_use_up_a_steps_budget(qwen3: Loade
     assert [r.tokens for r in results] == [qwen3.reference(p, 4) for p in prompts]
 
 
+async def test_an_idle_engine_waits_for_the_rest_of_a_burst(qwen3: Loaded, engines: Engines,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three requests started by the server (runtime/arrivals.py), submitted a few turns of the loop apart: the
+    # first is not prefilled alone while the others are on their way; all three go in one grouped pass.
+    from runtime import arrivals
+
+    monkeypatch.setattr(arrivals, "GATHER_SECONDS", 30.0)  # the wait ends with the arrivals, not with this bound
+    engine = engines(qwen3)
+    prompts = [list(range(300 + 20 * i, 310 + 20 * i)) for i in range(3)]
+    places = [arrivals.ARRIVING.started() for _ in prompts]
+    handles = []
+    try:
+        for prompt, place in zip(prompts, places):
+            arrivals.CURRENT.set(place)  # as the server's request task has it
+            handles.append(engine.submit(prompt, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY))
+            assert place.done  # the submit took it out of the count
+            await trio.sleep(0.05)  # the device thread has long woken for the first one
+        results = [await collect(h) for h in handles]
+    finally:
+        arrivals.CURRENT.set(None)
+        for place in places:
+            place.settle()
+    assert arrivals.ARRIVING.count == 0
+    assert engine.stats.grouped_prefills == 1 and engine.stats.prefill_chunks == 1
+    assert [r.tokens for r in results] == [qwen3.reference(p, 3) for p in prompts]
+    # A lone request, nothing else on its way: prefilled at once (alone, in a pass of its own).
+    result = await collect(engine.submit(prompts[0], max_tokens=3, stop_ids=frozenset(), sampling=GREEDY))
+    assert result.tokens == results[0].tokens and engine.stats.prefill_chunks == 2
+
+
 async def test_long_prefill_interleaves_with_decoding(qwen3: Loaded, engines: Engines) -> None:
     engine = engines(qwen3, prefill_chunk=16)
     short = qwen3.chat("hi")

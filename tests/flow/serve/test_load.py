@@ -33,6 +33,7 @@ from flow.builtins import compile_tables
 from flow.resources import heap
 from flow.serve.pacing import PER_TURN
 from runtime import handle
+from runtime.arrivals import ARRIVING
 from tests.harness import RunningServer, running_server, tables_with_model
 
 CLIENTS = 64
@@ -251,6 +252,7 @@ def run_load(server: RunningServer, reference: dict[str, str], plan: list[tuple[
     assert 16 < after["peak_batch"] <= 32, f"peak batch {after['peak_batch']} (max_batch 32, {len(plan)} clients)"
     now = server.health()
     assert now["status"] == "ok" and now["requests"]["active"] == 0, now["requests"]
+    assert ARRIVING.count == 0  # every request's first frame went out: an idle engine has nothing to wait for
     assert now["requests"]["failed"] == health["requests"]["failed"], now["requests"]
     assert now["requests"]["total"] - health["requests"]["total"] == len(plan), now["requests"]
 
@@ -330,6 +332,7 @@ def test_burst_of_short_requests_is_answered_or_refused_properly(server: Running
     assert after["rejected"] - before["rejected"] == 500 - ok, f"rejected: {before['rejected']} → {after['rejected']}"
     assert after["failed"] == before["failed"] and after["cancelled"] == before["cancelled"], after
     assert server.health()["status"] == "ok"
+    assert ARRIVING.count == 0  # refused ones too: their first frame was the refusal
 
 
 # --------------------------------------------------------------------------- open connections
