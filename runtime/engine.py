@@ -73,14 +73,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from protocols.ir import CachePolicy, MessageEnds, PromptImages, SamplingParams, TokenChunk
-from runtime import quantized_kv
+from runtime import arrivals, quantized_kv
 from runtime.adapters import Adapter, AdapterSet
+from runtime.arrivals import ARRIVING
 from runtime.constrained import Constraint
 from runtime.decode import Decoder
 from runtime.device import DeviceThread
 from runtime.engine_config import EngineConfig, EngineOverloaded, SpeculativeConfig
-from runtime import arrivals
-from runtime.arrivals import ARRIVING
 from runtime.engine_stats import Tally
 from runtime.model_memory import kv_bytes_per_token
 from runtime.mtp import MTPDrafter
@@ -293,11 +292,11 @@ class Engine:
         leader.audit = (prefix is not None and images is None and self._replicator is None
                         and (policy.audit or self._auditor.wants()))
         self._streams.update(s.handle for s in seqs)
-        arrivals.submitted()  # the request is here: an idle engine no longer waits for it
         with self._lock:
             self._inbox.append(leader)
             self.stats.submitted += len(seqs)
             self.stats.cached_tokens += cached_tokens
+        arrivals.submitted()  # in the inbox: an idle engine no longer waits for this request
         self.device.wake()
         return [s.handle for s in seqs]
 
