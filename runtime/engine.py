@@ -75,7 +75,6 @@ from mlx_lm.models.cache import make_prompt_cache
 from protocols.ir import CachePolicy, MessageEnds, PromptImages, SamplingParams, TokenChunk
 from runtime import arrivals, quantized_kv
 from runtime.adapters import Adapter, AdapterSet
-from runtime.arrivals import ARRIVING
 from runtime.constrained import Constraint
 from runtime.decode import Decoder
 from runtime.device import DeviceThread
@@ -463,12 +462,16 @@ class Engine:
         the distributed group is gone, the step ends here."""
         if self._replicator is not None:
             return self._replicate()
+        self._take_inbox()
+        self._drop_cancelled()
+        return True
+
+    def _take_inbox(self) -> None:
+        """The sequences submitted so far join the prefill queue."""
         with self._lock:
             taken = list(self._inbox)
             self._inbox.clear()
         self.prefill.queue(taken)
-        self._drop_cancelled()
-        return True
 
     def _decode(self) -> bool:
         if self._batch.seqs:
@@ -490,13 +493,10 @@ class Engine:
         decode (new prompts join them at the next step anyway), while another model has work on the device (it
         would wait too), nor on a distributed model (every rank must take the same prompts in the same step)."""
         if (self._batch.seqs or self.prefill.ready or not self.prefill.waiting or self._replicator is not None
-                or not ARRIVING.count or self.device.contended(self)):
+                or not arrivals.ARRIVING.count or self.device.contended(self)):
             return
-        ARRIVING.wait(min(s.submitted_at for s in self.prefill.waiting))
-        with self._lock:
-            taken = list(self._inbox)
-            self._inbox.clear()
-        self.prefill.queue(taken)
+        arrivals.ARRIVING.wait(min(s.submitted_at for s in self.prefill.waiting))
+        self._take_inbox()  # the prompts that came meanwhile (cancellations: before the first pass, as always)
 
     def _launch_pass(self) -> bool:
         launch, self._launch = self._launch, []
