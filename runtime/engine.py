@@ -15,8 +15,12 @@ collaborator's small verb:
 
 * **prefill** (``runtime/prefill.py``): waiting prompts, oldest first, within the
   step's budget — short ones together in one right-padded pass, others alone in
-  chunks that may span steps — and each started group's **first tokens**, handed
-  out at once; the started rows wait as *ready*.
+  chunks that may span steps, every pass at most ``prefill_chunk`` tokens — and
+  each started group's **first tokens**, handed out at once; the started rows
+  wait as *ready*. The budget is one chunk; while more prompts wait than rows
+  decode (a burst), up to ``BURST_CHUNKS``: a decode pass reads the whole model
+  for 6 rows as for 32, so a burst's first group does not decode alone while the
+  rest wait one chunk a step.
 * **the decode batch** (``runtime/sequence.py`` ``DecodeBatch``): one
   left-padded batch KV cache per layer (mlx-lm's ``BatchKVCache`` /
   ``BatchRotatingKVCache``); ready rows are merged in by ``admit``, with their
@@ -106,6 +110,10 @@ log = logging.getLogger("flow.engine")
 
 # How often a decode step reads the KV bytes it holds (a gauge) while its rows stay the same.
 KV_GAUGE_SECONDS = 0.25
+
+
+# While more prompts wait than rows decode, a step prefills up to this many chunks (each pass still at most one).
+BURST_CHUNKS = 4
 
 
 class Engine:
@@ -484,7 +492,7 @@ class Engine:
 
     def _prefill(self) -> bool:
         self._gather()
-        self.prefill.run(self._prefill_budget())
+        self.prefill.run(self._prefill_budget(), self.config.prefill_chunk)
         return True
 
     def _gather(self) -> None:
@@ -558,10 +566,18 @@ class Engine:
         return True
 
     def _prefill_budget(self) -> int:
-        if self.config.strategy == "balanced" and len(self._batch) >= max(1, self.config.max_batch // 2):
+        """The step's prompt tokens: one chunk; while more prompts wait than rows decode, up to
+        ``BURST_CHUNKS`` (a burst's later groups start before the first ones decode alone: every decode pass
+        reads the whole model, for 6 rows as for 32)."""
+        chunk = self.config.prefill_chunk
+        rows = len(self._batch)
+        if self.config.strategy == "balanced" and rows >= max(1, self.config.max_batch // 2):
             self._skip_prefill = not self._skip_prefill
-            return 0 if self._skip_prefill else self.config.prefill_chunk
-        return self.config.prefill_chunk
+            return 0 if self._skip_prefill else chunk
+        waiting = len(self.prefill.waiting)
+        if waiting > rows:
+            return chunk * min(BURST_CHUNKS, -(-waiting // max(rows, 1)))
+        return chunk
 
     def _room(self) -> int:
         return self.config.max_batch - len(self._batch) - self.prefill.ready_rows

@@ -136,10 +136,11 @@ class Prefill:
         return seqs
 
     # ------------------------------------------------------------------ a step's prefill
-    def run(self, budget: int) -> None:
-        """Spend up to ``budget`` prompt tokens on waiting sequences, oldest first; start those that are done."""
+    def run(self, budget: int, pass_tokens: int) -> None:
+        """Spend up to ``budget`` prompt tokens on waiting sequences, oldest first, in passes of at most
+        ``pass_tokens`` (padded) tokens each; start those that are done."""
         start = time.perf_counter()
-        whole, spent = budget, False
+        whole, spent = min(budget, pass_tokens), False
         if self.towers:
             self._take_towers()
         while True:
@@ -148,7 +149,7 @@ class Prefill:
             self._between_passes(None)
             if not self.waiting or self._room() <= 0:
                 break
-            group = self._group(budget)
+            group = self._group(min(budget, pass_tokens))
             if len(group) > 1:
                 budget -= self._run_group(group)
                 spent = True
@@ -165,7 +166,8 @@ class Prefill:
                     # chunks would be two passes of one row (each with the whole model's fixed cost), and next
                     # step it is prefilled in one, with the prompts behind it.
                     break
-                budget -= self._run_chunk(seq, self._keeper.snapshot_chunk(seq, min(budget, seq.to_prefill)))
+                n = min(budget, pass_tokens, seq.to_prefill)
+                budget -= self._run_chunk(seq, self._keeper.snapshot_chunk(seq, n))
                 spent = True
                 continue  # next: more of this prompt (budget permitting) or its first token, unless cancelled
             self._start_head()

@@ -325,6 +325,56 @@ async def test_a_short_prompt_is_not_split_to_use_up_a_steps_budget(qwen3: Loade
     assert [r.tokens for r in results] == [qwen3.reference(p, 4) for p in prompts]
 
 
+async def test_a_burst_is_prefilled_before_its_first_rows_decode_alone(qwen3: Loaded, engines: Engines) -> None:
+    # One row decodes; five 8-token prompts arrive at once. More prompts wait than rows decode: the step
+    # prefills up to four chunks (passes of two prompts, 2 x 7 tokens each within the 16-token chunk), so all
+    # five start in that one step and the next decode pass holds six rows — not 1, 3, 5 rows a step apart.
+    # With as many rows decoding as prompts waiting, a step prefills one chunk, as before.
+    engine = engines(qwen3, prefill_chunk=16)
+    rows_after_step: list[int] = []
+    close = engine._run[Phase.CLOSE]
+
+    def recording_close() -> bool:
+        rows_after_step.append(len(engine._batch))
+        return close()
+
+    engine._run[Phase.CLOSE] = recording_close
+    first = engine.submit(list(range(200, 212)), max_tokens=64, stop_ids=frozenset(), sampling=GREEDY)
+    await first.chunks.receive()  # decoding
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))
+    prompts = [list(range(300 + 20 * i, 308 + 20 * i)) for i in range(5)]
+    handles = [engine.submit(p, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY) for p in prompts]
+    hold.set()
+    results = [await collect(h) for h in handles]
+    first.cancel()
+    first.chunks.close()
+    sizes = [n for n in rows_after_step if n > 1]
+    assert sizes and sizes[0] == 6, rows_after_step
+    assert [r.tokens for r in results] == [qwen3.reference(p, 3) for p in prompts]
+    # Three prompts behind three decoding rows: one chunk (two prompts) this step, the third the next.
+    engine = engines(qwen3, prefill_chunk=16)
+    rows_after_step.clear()
+    close = engine._run[Phase.CLOSE]
+    engine._run[Phase.CLOSE] = recording_close
+    running = [engine.submit(list(range(200 + 20 * i, 212 + 20 * i)), max_tokens=64, stop_ids=frozenset(),
+                             sampling=GREEDY) for i in range(3)]
+    for handle in running:
+        await handle.chunks.receive()
+    await wait_until(lambda: len(engine._batch) == 3)
+    hold.clear()
+    qwen3.device.submit(lambda: hold.wait(10))
+    handles = [engine.submit(p, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY) for p in prompts[:3]]
+    hold.set()
+    results = [await collect(h) for h in handles]
+    for handle in running:
+        handle.cancel()
+        handle.chunks.close()
+    grown = [n for n in rows_after_step if n > 3]
+    assert grown[:2] == [5, 6], rows_after_step
+    assert [r.tokens for r in results] == [qwen3.reference(p, 3) for p in prompts[:3]]
+
+
 async def test_an_idle_engine_waits_for_the_rest_of_a_burst(qwen3: Loaded, engines: Engines,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # Three requests started by the server (runtime/arrivals.py), submitted a few turns of the loop apart: the
