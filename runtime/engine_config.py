@@ -60,7 +60,7 @@ class KVQuantization:
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 32  # sequences decoding at once (rows of the batch)
-    prefill_chunk: int = 512  # prompt tokens prefilled per step, across sequences
+    prefill_chunk: int = 512  # prompt tokens a prefill pass holds; a step's budget (engine.BURST_CHUNKS in a burst)
     strategy: Strategy = "decode_first"
     max_queue: int = 256  # sequences waiting for a row beyond which submit refuses
     speculative: SpeculativeConfig = SpeculativeConfig()

@@ -139,6 +139,8 @@ class Prefill:
     def run(self, budget: int, pass_tokens: int) -> None:
         """Spend up to ``budget`` prompt tokens on waiting sequences, oldest first, in passes of at most
         ``pass_tokens`` (padded) tokens each; start those that are done."""
+        if not self.waiting and not self.towers:
+            return  # nothing to prefill: most steps of a decoding batch
         start = time.perf_counter()
         whole, spent = min(budget, pass_tokens), False
         if self.towers:

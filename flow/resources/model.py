@@ -122,7 +122,9 @@ class ModelConfig(ResourceConfig):
     aliases: list[str] = Field(default_factory=list, description="other ids that select this model; glob patterns "
                                                                    "(claude-*, *) answer ids no model names exactly")
     max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
-    prefill_chunk: int = Field(default=512, ge=16, description="prompt tokens prefilled per engine step")
+    prefill_chunk: int = Field(default=512, ge=16,
+                               description="prompt tokens a prefill pass holds; an engine step prefills one chunk, "
+                                           "up to four while more prompts wait than rows decode")
     strategy: Strategy = Field(
         default="decode_first",
         description="engine step order: decode_first (streams first), prefill_first (new requests first), "

@@ -325,20 +325,21 @@ async def test_a_short_prompt_is_not_split_to_use_up_a_steps_budget(qwen3: Loade
     assert [r.tokens for r in results] == [qwen3.reference(p, 4) for p in prompts]
 
 
-async def test_a_burst_is_prefilled_before_its_first_rows_decode_alone(qwen3: Loaded, engines: Engines) -> None:
+async def test_a_burst_is_prefilled_before_its_first_rows_decode_alone(qwen3: Loaded, engines: Engines,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # One row decodes; five 8-token prompts arrive at once. More prompts wait than rows decode: the step
     # prefills up to four chunks (passes of two prompts, 2 x 7 tokens each within the 16-token chunk), so all
     # five start in that one step and the next decode pass holds six rows — not 1, 3, 5 rows a step apart.
     # With as many rows decoding as prompts waiting, a step prefills one chunk, as before.
-    engine = engines(qwen3, prefill_chunk=16)
     rows_after_step: list[int] = []
-    close = engine._run[Phase.CLOSE]
+    close = Engine._close_step
 
-    def recording_close() -> bool:
+    def recording_close(engine: Engine) -> bool:
         rows_after_step.append(len(engine._batch))
-        return close()
+        return close(engine)
 
-    engine._run[Phase.CLOSE] = recording_close
+    monkeypatch.setattr(Engine, "_close_step", recording_close)
+    engine = engines(qwen3, prefill_chunk=16)
     first = engine.submit(list(range(200, 212)), max_tokens=64, stop_ids=frozenset(), sampling=GREEDY)
     await first.chunks.receive()  # decoding
     hold = threading.Event()
@@ -355,8 +356,6 @@ async def test_a_burst_is_prefilled_before_its_first_rows_decode_alone(qwen3: Lo
     # Three prompts behind three decoding rows: one chunk (two prompts) this step, the third the next.
     engine = engines(qwen3, prefill_chunk=16)
     rows_after_step.clear()
-    close = engine._run[Phase.CLOSE]
-    engine._run[Phase.CLOSE] = recording_close
     running = [engine.submit(list(range(200 + 20 * i, 212 + 20 * i)), max_tokens=64, stop_ids=frozenset(),
                              sampling=GREEDY) for i in range(3)]
     for handle in running:
@@ -784,6 +783,7 @@ async def test_every_step_runs_the_phase_tables_order(qwen3: Loaded, engines: En
         return wrapper
 
     engine._run = {phase: watched(phase, run) for phase, run in engine._run.items()}
+    engine._steps = engine._bound_steps()
     prompts = [qwen3.chat(p) for p in PROMPTS[:3]]
     results = await run_all(engine, prompts, 12, stagger_after=3)
     assert [r.tokens for r in results] == [qwen3.reference(p, 12) for p in prompts]
