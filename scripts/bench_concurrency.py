@@ -535,7 +535,8 @@ def markdown(result: dict[str, Any]) -> str:
         levels = result["levels"]
         lines += ["", "| flow / | " + " | ".join(f"@{level}" for level in levels) + " |",
                   "|---|" + "---|" * len(levels)]
-        for label, key in (("tok/s", "ratios"), ("TTFT p50", "ttft_ratios")):
+        for label, key in (("tok/s", "ratios"), ("tok/s, paired rounds", "paired_ratios"),
+                           ("TTFT p50", "ttft_ratios")):
             for other in others:
                 values = [result.get(key, {}).get(f"flow/{other} @{level}") for level in levels]
                 lines.append(f"| {label}: flow / {other} | " + " | ".join(str(v or "–") for v in values) + " |")
@@ -624,7 +625,22 @@ def main(argv: list[str] | None = None) -> int:
                 theirs = got.get(other, {}).get("levels", {}).get(str(level), {}).get(figure)
                 if ours and theirs:
                     result[key][f"flow/{other} @{level}"] = ratio(ours, theirs)
+    # The same ratio round by round, then its median: each round's systems ran minutes apart, so on a shared
+    # machine whose load drifts this pairs like with like better than the ratio of the medians does.
+    result["paired_ratios"] = {}
+    for level in args.levels:
+        for other in SYSTEMS[1:]:
+            pairs = [ours / theirs for ours, theirs in zip(level_figures(runs.get("flow", []), level),
+                                                                level_figures(runs.get(other, []), level))
+                     if ours and theirs]
+            if pairs:
+                result["paired_ratios"][f"flow/{other} @{level}"] = round(statistics.median(pairs), 2)
     return report(result, args.json, markdown)
+
+
+def level_figures(rounds: list[dict[str, Any]], level: int) -> list[float | None]:
+    """One system's aggregate tok/s at a level, round by round."""
+    return [r.get("levels", {}).get(str(level), {}).get("aggregate_tps") for r in rounds]
 
 
 if __name__ == "__main__":
