@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     for level in args.levels:
         for other in SYSTEMS[1:]:
             pairs = [ours / theirs for ours, theirs in zip(level_figures(runs.get("flow", []), level),
-                                                                level_figures(runs.get(other, []), level))
+                                                           level_figures(runs.get(other, []), level))
                      if ours and theirs]
             if pairs:
                 result["paired_ratios"][f"flow/{other} @{level}"] = round(statistics.median(pairs), 2)
