@@ -90,6 +90,7 @@ class RankSpec:
     prefill_chunk: int = 512
     strategy: str = "decode_first"
     max_queue: int = 256
+    prefill_burst: int = 4
     prefix_block_tokens: int | None = None  # rank 0 has a prefix cache with blocks of this many tokens
     prefix_hot_bytes: int = 2 << 30
     watchdog_seconds: float = 60.0
@@ -434,7 +435,7 @@ def follow(spec: RankSpec, device: DeviceThread) -> None:
               if spec.prefix_block_tokens is not None else None)
     broadcast = Broadcast(group, spec.watchdog_seconds)
     config = EngineConfig(spec.max_batch, spec.prefill_chunk, spec.strategy,  # type: ignore[arg-type]
-                          spec.max_queue)
+                          spec.max_queue, prefill_burst=spec.prefill_burst)
     engine = Engine(model, device, config, prefix, shard_namespace(path, spec, group.rank(), group.size()),
                     broadcast)
     device.remove_stepper(engine)  # it steps on rank 0's messages only

@@ -18,7 +18,7 @@ collaborator's small verb:
   chunks that may span steps, every pass at most ``prefill_chunk`` tokens — and
   each started group's **first tokens**, handed out at once; the started rows
   wait as *ready*. The budget is one chunk; while more prompts wait than rows
-  decode (a burst), up to ``BURST_CHUNKS``: a decode pass reads the whole model
+  decode (a burst), up to ``prefill_burst``: a decode pass reads the whole model
   for 6 rows as for 32, so a burst's first group does not decode alone while the
   rest wait one chunk a step.
 * **the decode batch** (``runtime/sequence.py`` ``DecodeBatch``): one
@@ -110,10 +110,6 @@ log = logging.getLogger("flow.engine")
 
 # How often a decode step reads the KV bytes it holds (a gauge) while its rows stay the same.
 KV_GAUGE_SECONDS = 0.25
-
-
-# While more prompts wait than rows decode, a step prefills up to this many chunks (each pass still at most one).
-BURST_CHUNKS = 4
 
 
 class Engine:
@@ -434,6 +430,7 @@ class Engine:
             strategy=self.config.strategy,
             max_batch=self.config.max_batch,
             prefill_chunk=self.config.prefill_chunk,
+            prefill_burst=self.config.prefill_burst,
             max_queue=self.config.max_queue,
             kv_bytes_per_token=self.kv_bytes_per_token(),
             prefix_cache="on" if self.prefix is not None else
@@ -574,8 +571,8 @@ class Engine:
 
     def _prefill_budget(self) -> int:
         """The step's prompt tokens: one chunk; while more prompts wait than rows decode, up to
-        ``BURST_CHUNKS`` (a burst's later groups start before the first ones decode alone: every decode pass
-        reads the whole model, for 6 rows as for 32)."""
+        ``prefill_burst`` chunks (a burst's later groups start before the first ones decode alone: every decode
+        pass reads the whole model, for 6 rows as for 32)."""
         chunk = self.config.prefill_chunk
         rows = len(self._batch)
         if self.config.strategy == "balanced" and rows >= max(1, self.config.max_batch // 2):
@@ -583,7 +580,7 @@ class Engine:
             return 0 if self._skip_prefill else chunk
         waiting = len(self.prefill.waiting)
         if waiting > rows:
-            return chunk * min(BURST_CHUNKS, -(-waiting // max(rows, 1)))
+            return chunk * min(self.config.prefill_burst, -(-waiting // max(rows, 1)))
         return chunk
 
     def _room(self) -> int:

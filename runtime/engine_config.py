@@ -60,17 +60,19 @@ class KVQuantization:
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 32  # sequences decoding at once (rows of the batch)
-    prefill_chunk: int = 512  # prompt tokens a prefill pass holds; a step's budget (engine.BURST_CHUNKS in a burst)
+    prefill_chunk: int = 512  # prompt tokens a prefill pass holds, and a step's prefill budget
     strategy: Strategy = "decode_first"
     max_queue: int = 256  # sequences waiting for a row beyond which submit refuses
+    # While more prompts wait than rows decode, a step's budget is up to this many chunks (1: always one).
+    prefill_burst: int = 4
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_quantization: KVQuantization = KVQuantization()
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
-        if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 1:
-            raise ValueError("max_batch, prefill_chunk and max_queue must be positive")
+        if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 1 or self.prefill_burst < 1:
+            raise ValueError("max_batch, prefill_chunk, max_queue and prefill_burst must be positive")
 
 
 class EngineOverloaded(Exception):

@@ -124,7 +124,10 @@ class ModelConfig(ResourceConfig):
     max_batch: int = Field(default=32, ge=1, description="sequences decoding at once")
     prefill_chunk: int = Field(default=512, ge=16,
                                description="prompt tokens a prefill pass holds; an engine step prefills one chunk, "
-                                           "up to four while more prompts wait than rows decode")
+                                           "up to prefill_burst while more prompts wait than rows decode")
+    prefill_burst: int = Field(default=4, ge=1, le=64,
+                               description="chunks a step may prefill while more prompts wait than rows decode "
+                                           "(a burst starts together; 1: one chunk a step, the streams' least stall)")
     strategy: Strategy = Field(
         default="decode_first",
         description="engine step order: decode_first (streams first), prefill_first (new requests first), "
@@ -366,6 +369,7 @@ class ModelResource(Resource):
         spec = self.config.speculative
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue,
+                                     prefill_burst=self.config.prefill_burst,
                                      speculative=SpeculativeConfig(spec.kind, spec.max_draft, spec.min_ngram,
                                                                    spec.max_ngram, spec.max_batch),
                                      kv_quantization=KVQuantization(self.config.kv_bits, self.config.kv_group_size,
@@ -403,10 +407,12 @@ class ModelResource(Resource):
         prefix = self.prefix_cache
         assert prefix is None or prefix.disk is None, "a distributed model's prefix cache is in memory only"
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
-                                     strategy=self.config.strategy, max_queue=self.config.max_queue)
+                                     strategy=self.config.strategy, max_queue=self.config.max_queue,
+                                     prefill_burst=self.config.prefill_burst)
         spec = RankSpec(path=str(path), parallel=settings.parallel, backend=settings.backend,
                         max_batch=engine_config.max_batch, prefill_chunk=engine_config.prefill_chunk,
                         strategy=engine_config.strategy, max_queue=engine_config.max_queue,
+                        prefill_burst=engine_config.prefill_burst,
                         prefix_block_tokens=prefix.config.block_tokens if prefix is not None else None,
                         prefix_hot_bytes=prefix.config.hot_bytes if prefix is not None else 2 << 30,
                         watchdog_seconds=settings.watchdog_seconds)

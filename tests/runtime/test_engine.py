@@ -325,12 +325,37 @@ async def test_a_short_prompt_is_not_split_to_use_up_a_steps_budget(qwen3: Loade
     assert [r.tokens for r in results] == [qwen3.reference(p, 4) for p in prompts]
 
 
+async def _rows_after_each_step(qwen3: Loaded, engine: Engine, running: int, arriving: int,
+                                rows_after_step: list[int]) -> list[int]:
+    """``running`` rows decoding, then ``arriving`` 8-token prompts submitted at once: the decode batch's rows
+    at the end of each step from there on (the prompts' answers checked against mlx-lm's)."""
+    rows_after_step.clear()
+    decoding = [engine.submit(list(range(200 + 20 * i, 212 + 20 * i)), max_tokens=64, stop_ids=frozenset(),
+                              sampling=GREEDY) for i in range(running)]
+    for handle in decoding:
+        await handle.chunks.receive()
+    await wait_until(lambda: len(engine._batch) == running)
+    hold = threading.Event()
+    qwen3.device.submit(lambda: hold.wait(10))
+    start = len(rows_after_step)
+    prompts = [list(range(300 + 20 * i, 308 + 20 * i)) for i in range(arriving)]
+    handles = [engine.submit(p, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY) for p in prompts]
+    hold.set()
+    results = [await collect(h) for h in handles]
+    for handle in decoding:
+        handle.cancel()
+        handle.chunks.close()
+    assert [r.tokens for r in results] == [qwen3.reference(p, 3) for p in prompts]
+    return [n for n in rows_after_step[start:] if n > running]
+
+
 async def test_a_burst_is_prefilled_before_its_first_rows_decode_alone(qwen3: Loaded, engines: Engines,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # One row decodes; five 8-token prompts arrive at once. More prompts wait than rows decode: the step
-    # prefills up to four chunks (passes of two prompts, 2 x 7 tokens each within the 16-token chunk), so all
-    # five start in that one step and the next decode pass holds six rows — not 1, 3, 5 rows a step apart.
-    # With as many rows decoding as prompts waiting, a step prefills one chunk, as before.
+    # prefills up to prefill_burst (4) chunks (passes of two prompts, 2 x 7 tokens each within the 16-token
+    # chunk), so all five start in that one step and the next decode pass holds six rows. With the burst at 1,
+    # one chunk a step: 3, 5, 6 rows a step apart. With as many rows decoding as prompts waiting, one chunk a
+    # step either way.
     rows_after_step: list[int] = []
     close = Engine._close_step
 
@@ -339,39 +364,12 @@ async def test_a_burst_is_prefilled_before_its_first_rows_decode_alone(qwen3: Lo
         return close(engine)
 
     monkeypatch.setattr(Engine, "_close_step", recording_close)
-    engine = engines(qwen3, prefill_chunk=16)
-    first = engine.submit(list(range(200, 212)), max_tokens=64, stop_ids=frozenset(), sampling=GREEDY)
-    await first.chunks.receive()  # decoding
-    hold = threading.Event()
-    qwen3.device.submit(lambda: hold.wait(10))
-    prompts = [list(range(300 + 20 * i, 308 + 20 * i)) for i in range(5)]
-    handles = [engine.submit(p, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY) for p in prompts]
-    hold.set()
-    results = [await collect(h) for h in handles]
-    first.cancel()
-    first.chunks.close()
-    sizes = [n for n in rows_after_step if n > 1]
-    assert sizes and sizes[0] == 6, rows_after_step
-    assert [r.tokens for r in results] == [qwen3.reference(p, 3) for p in prompts]
-    # Three prompts behind three decoding rows: one chunk (two prompts) this step, the third the next.
-    engine = engines(qwen3, prefill_chunk=16)
-    rows_after_step.clear()
-    running = [engine.submit(list(range(200 + 20 * i, 212 + 20 * i)), max_tokens=64, stop_ids=frozenset(),
-                             sampling=GREEDY) for i in range(3)]
-    for handle in running:
-        await handle.chunks.receive()
-    await wait_until(lambda: len(engine._batch) == 3)
-    hold.clear()
-    qwen3.device.submit(lambda: hold.wait(10))
-    handles = [engine.submit(p, max_tokens=3, stop_ids=frozenset(), sampling=GREEDY) for p in prompts[:3]]
-    hold.set()
-    results = [await collect(h) for h in handles]
-    for handle in running:
-        handle.cancel()
-        handle.chunks.close()
-    grown = [n for n in rows_after_step if n > 3]
-    assert grown[:2] == [5, 6], rows_after_step
-    assert [r.tokens for r in results] == [qwen3.reference(p, 3) for p in prompts[:3]]
+    burst = engines(qwen3, prefill_chunk=16)
+    assert burst.config.prefill_burst == 4
+    assert (await _rows_after_each_step(qwen3, burst, 1, 5, rows_after_step))[0] == 6
+    assert (await _rows_after_each_step(qwen3, burst, 3, 3, rows_after_step))[:2] == [5, 6]
+    one = engines(qwen3, prefill_chunk=16, prefill_burst=1)
+    assert (await _rows_after_each_step(qwen3, one, 1, 5, rows_after_step))[:3] == [3, 5, 6]
 
 
 async def test_an_idle_engine_waits_for_the_rest_of_a_burst(qwen3: Loaded, engines: Engines,

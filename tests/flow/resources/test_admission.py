@@ -17,7 +17,9 @@ USER = [{"role": "user", "content": "Tell me a long story."}]
 
 @pytest.fixture(scope="module")
 def narrow_server(tiny_qwen3: Path) -> Iterator[RunningServer]:
-    with running_server(graph_with_model(tiny_qwen3, max_batch=1, max_queue=1)) as server:
+    # The narrowest engine: one row, one waiting place, one prefill chunk a step even in a burst.
+    with running_server(graph_with_model(tiny_qwen3, max_batch=1, max_queue=1, prefill_burst=1)) as server:
+        assert server.engine_stats()["prefill_burst"] == 1  # the graph's setting reaches the engine
         yield server
 
 

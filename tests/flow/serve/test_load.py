@@ -48,7 +48,8 @@ def server(tiny_qwen3: Path) -> Iterator[RunningServer]:
     tables = tables_with_model(tiny_qwen3)
     tables.setdefault("server", {})["idle_timeout_seconds"] = 3600
     with running_server(compile_tables(tables, "default.toml (load test)")) as running:
-        assert running.engine_stats()["max_batch"] == 32
+        stats = running.engine_stats()
+        assert stats["max_batch"] == 32 and stats["prefill_burst"] == 4
         yield running
 
 
