@@ -169,12 +169,13 @@ def test_distributed_output_equals_single_process(tmp_path: Path, preset: str, p
 
 
 def test_queueing_chunked_prefill_and_cancels_keep_ranks_in_step(tmp_path: Path, tiny_llama: Path) -> None:
-    """A small batch (requests queue), prompts prefilled in chunks over several steps, the balanced strategy,
-    and clients that leave mid-prefill and mid-decode: the ranks stay in step, the answers are the
+    """A small batch (requests queue), prompts prefilled in chunks over several steps, the balanced strategy, a
+    burst's budget other than the default (every rank prefills as rank 0 does: the setting travels in the rank
+    spec), and clients that leave mid-prefill and mid-decode: the ranks stay in step, the answers are the
     single-process server's."""
     graph = tmp_path / "graph.toml"
     graph.write_text(f'extends = "{GRAPHS / "default.toml"}"\n\n[resources.model]\nmax_batch = 3\n'
-                     'prefill_chunk = 16\nstrategy = "balanced"\n')
+                     'prefill_chunk = 16\nprefill_burst = 2\nstrategy = "balanced"\n')
     prompts = [f"{i}: " + "a long question about rivers and their banks " * (1 + 3 * (i % 3)) for i in range(8)]
 
     def run(base: str) -> list[str]:
