@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline_load import PROTOCOLS, Load, echo_text, run_load
 from profile_summary import summarize
+from server_env import checkout_env
 
 MODES = ("stream", "whole")
 
@@ -91,7 +92,7 @@ def start_server(label: str, checkout: Path, model_dir: Path, tmp: Path, step_se
         f'[resources.prefix_cache]\ndirectory = "{home / "kv-cache"}"\n\n'
         f'[stages.generate]\ntype = "generate.echo"\n{step}')
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])]), "FLOW_DATA_DIR": str(home / "data")}
+    env = checkout_env(checkout, FLOW_DATA_DIR=str(home / "data"))
     log = home / "server.log"
     cmd = [sys.executable, "-m", "flow.cli", "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
     with open(log, "wb") as err:  # the child has its own copy of the descriptor

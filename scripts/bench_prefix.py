@@ -56,6 +56,8 @@ from typing import Any
 
 import httpx
 
+from server_env import checkout_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TOPICS = ["the lamp", "the fog", "the supply boat", "the logbook", "the storm", "the gulls", "the keeper's cat",
@@ -108,7 +110,7 @@ def start_server(kind: str, model_dir: Path, port: int, tmp: Path, cache_dir: Pa
     graph.write_text(text)
     home = tmp / f"{label}-home"
     home.mkdir(exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), *filter(None, [os.environ.get("PYTHONPATH")])]), "FLOW_DATA_DIR": str(home)}
+    env = checkout_env(source, FLOW_DATA_DIR=str(home))
     cmd = [sys.executable, "-m", "flow.cli", "--log-level", "WARNING", "serve", str(graph), "--port", str(port)]
     return subprocess.Popen(cmd, cwd=source, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
