@@ -15,7 +15,8 @@ One run, one model, one load generator, up to four systems one after the other:
    in a subprocess, from its own environment (``--vllm-mlx PATH``; it inherits
    this one's, ``LD_PRELOAD`` included, as ``mlx_lm.server`` does);
 4. **raw**: ``mlx_lm.batch_generate`` on the same chat-templated prompts in a
-   subprocess, no HTTP at all: the ceiling.
+   subprocess, no HTTP at all: the ceiling, with flow's ``--max-batch`` as its
+   completion batch size (the same batch size; mlx-lm's default is 32).
 
 The load generator streams ``/v1/chat/completions`` (greedy, a fixed
 ``max_tokens``, usage included), a connection per request, each stream read
@@ -429,8 +430,9 @@ def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
 
 # --------------------------------------------------------------------------- raw batch_generate
 
-def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, Any]:
-    """Runs in a subprocess: ``mlx_lm.batch_generate`` on the chat-templated prompts."""
+def raw_worker(model_dir: str, levels: list[int], max_tokens: int, max_batch: int) -> dict[str, Any]:
+    """Runs in a subprocess: ``mlx_lm.batch_generate`` on the chat-templated prompts, at most ``max_batch`` rows
+    decoding at once as flow's engine (mlx-lm's own default is 32: a level of 64 would run as two waves of 32)."""
     from mlx_lm import batch_generate
     from mlx_lm.utils import load
 
@@ -445,7 +447,8 @@ def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, 
     for position, level in enumerate(levels):
         p = prompts(level, first_prompt(position))
         start, cpu = time.perf_counter(), own_cpu_s()
-        response = batch_generate(model, tokenizer, p, max_tokens=max_tokens, return_token_ids=True)
+        response = batch_generate(model, tokenizer, p, max_tokens=max_tokens, return_token_ids=True,
+                                  completion_batch_size=max_batch)
         wall, cpu = time.perf_counter() - start, own_cpu_s() - cpu
         tokens = sum(len(t) for t in (response.token_ids or []))
         out[str(level)] = {"requests": level, "failed": 0, "completion_tokens": tokens,
@@ -461,7 +464,8 @@ def raw_worker(model_dir: str, levels: list[int], max_tokens: int) -> dict[str, 
 
 def bench_raw(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--raw-worker", str(model_dir), "--max-tokens", str(args.max_tokens),
-           "--levels", ",".join(str(x) for x in args.levels), "--system-words", str(args.system_words)]
+           "--levels", ",".join(str(x) for x in args.levels), "--system-words", str(args.system_words),
+           "--max-batch", str(args.max_batch)]
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, check=True)
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
@@ -569,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.system_words:
         SHARED_SYSTEM.append(shared_system(args.system_words))
     if args.raw_worker:
-        print(json.dumps(raw_worker(args.raw_worker, args.levels, args.max_tokens)))
+        print(json.dumps(raw_worker(args.raw_worker, args.levels, args.max_tokens, args.max_batch)))
         return 0
 
     from flow.cli import blas
