@@ -26,7 +26,9 @@ server, and raw has no client at all) or parsed event by event by ``httpx``
 (``--client httpx``, as an SDK would: 70-85 µs per token on this CPU). At
 each concurrency level every request starts at once. Figures per level:
 aggregate tok/s (all completion tokens / wall time of the level), median and
-p95 time to first token, median per-stream decode tok/s, failed requests and
+p95 time to first token, median per-stream decode tok/s, the gaps between a
+stream's tokens (p50 and p99 over all streams, and the median of each stream's
+longest: what running streams wait while others are prefilled), failed requests and
 the completion tokens actually generated (random-weight models rarely emit
 EOS, but ``mlx_lm`` and vllm-mlx stop there, and neither takes ``ignore_eos``
 or ``min_tokens``; the counts, from each stream's usage, show whether the
@@ -50,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,7 @@ class RequestResult:
     end: float | None = None
     tokens: int = 0
     error: str = ""
+    gaps: list[float] = field(default_factory=list)  # seconds between a stream's reads that brought text
 
 
 # The load generator's client: "lean" (default) reads each stream off a plain socket and looks only for its first
@@ -115,6 +118,7 @@ async def stream_one(client: httpx.AsyncClient | None, url: str, model: str, tex
         return await lean_stream(url, body, on_first)
     result = RequestResult(ok=False, start=time.perf_counter())
     chunks = 0
+    last_text = result.start
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -130,10 +134,14 @@ async def stream_one(client: httpx.AsyncClient | None, url: str, model: str, tex
                 data = json.loads(line[6:])
                 if data.get("choices") and data["choices"][0].get("delta", {}).get("content"):
                     chunks += 1
+                    now = time.perf_counter()
                     if result.first is None:
-                        result.first = time.perf_counter()
+                        result.first = now
                         if on_first is not None:
                             on_first()
+                    else:
+                        result.gaps.append(now - last_text)
+                    last_text = now
                 if data.get("usage"):
                     result.tokens = int(data["usage"]["completion_tokens"])
             result.end = time.perf_counter()
@@ -160,15 +168,21 @@ async def lean_stream(url: str, body: dict[str, Any], on_first: Callable[[], Non
                                   f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload)
             pieces: list[bytes] = []
             tail = b""  # the last bytes before this read: a marker may straddle two reads
+            last: float | None = None  # when the last read with text came
             while True:
                 data = await stream.receive_some(1 << 16)
                 if not data:
                     break
                 pieces.append(data)
-                if result.first is None and FIRST_CONTENT.search(tail + data):
-                    result.first = time.perf_counter()
-                    if on_first is not None:
-                        on_first()
+                if FIRST_CONTENT.search(tail + data):
+                    now = time.perf_counter()
+                    if last is not None:
+                        result.gaps.append(now - last)
+                    last = now
+                    if result.first is None:
+                        result.first = now
+                        if on_first is not None:
+                            on_first()
                 tail = data[-32:]
         result.end = time.perf_counter()
     except (OSError, trio.BrokenResourceError) as exc:  # refused, reset: a failed request, counted as one
@@ -237,6 +251,23 @@ async def run_level(url: str, model: str, concurrency: int, max_tokens: int, fir
     return results
 
 
+def percentile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values (the nearest rank)."""
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def gap_figures(streams: list[list[float]]) -> dict[str, float | None]:
+    """The streams' gaps between tokens, measured between the reads that brought text (tokens that came together
+    count once, a stall shows whole): p50 and p99 over every gap of every stream, and the median over streams of
+    each one's longest gap — what a stream running beside new arrivals waits."""
+    every = sorted(g * 1000 for gaps in streams for g in gaps)
+    longest = [max(gaps) * 1000 for gaps in streams if gaps]
+    if not every:
+        return {"itl_ms_p50": None, "itl_ms_p99": None, "longest_gap_ms_p50": None}
+    return {"itl_ms_p50": round(statistics.median(every), 1), "itl_ms_p99": round(percentile(every, 0.99), 1),
+            "longest_gap_ms_p50": round(statistics.median(longest), 1)}
+
+
 def summarize(results: list[RequestResult]) -> dict[str, Any]:
     good = [r for r in results if r.ok]
     out: dict[str, Any] = {"requests": len(results), "failed": len(results) - len(good),
@@ -255,8 +286,9 @@ def summarize(results: list[RequestResult]) -> dict[str, Any]:
         wall_s=round(wall, 2),
         aggregate_tps=round(tokens / wall, 1),
         ttft_ms_p50=round(statistics.median(ttfts), 1),
-        ttft_ms_p95=round(ttfts[min(len(ttfts) - 1, int(round(0.95 * (len(ttfts) - 1))))], 1),
+        ttft_ms_p95=round(percentile(ttfts, 0.95), 1),
         per_stream_tps_p50=round(statistics.median(per_stream), 2) if per_stream else None,
+        **gap_figures([r.gaps for r in good]),
     )
     return out
 
@@ -510,15 +542,18 @@ def markdown(result: dict[str, Any]) -> str:
         f"round(s) (failed: summed over rounds); load average before/after "
         f"{result['load_average_before'][0]:.2f}/{result['load_average_after'][0]:.2f}",
         "",
-        "| concurrency | system | aggregate tok/s | TTFT p50 ms | TTFT p95 ms | per-stream tok/s | failed | tokens/request |",
-        "|---|---|---|---|---|---|---|---|",
+        "| concurrency | system | aggregate tok/s | TTFT p50 ms | TTFT p95 ms | per-stream tok/s | ITL p50 / p99 ms | "
+        "longest gap ms | failed | tokens/request |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for level in result["levels"]:
         for system in systems:
             row = result["systems"][system]["levels"].get(str(level), {})
             lines.append(
                 f"| {level} | {system} | {row.get('aggregate_tps', '–')} | {row.get('ttft_ms_p50', '–')} | "
-                f"{row.get('ttft_ms_p95', '–')} | {row.get('per_stream_tps_p50', '–')} | {row.get('failed', '–')} | "
+                f"{row.get('ttft_ms_p95', '–')} | {row.get('per_stream_tps_p50', '–')} | "
+                f"{row.get('itl_ms_p50', '–')} / {row.get('itl_ms_p99', '–')} | {row.get('longest_gap_ms_p50', '–')} | "
+                f"{row.get('failed', '–')} | "
                 f"{row.get('tokens_per_request', '–')} |")
     lines += ["", "Where the CPU went (the machine's cores are shared by the server and the load generator; raw has no "
               "client):", "", "| concurrency | system | server CPU µs/token | client CPU µs/token | cores busy |",
