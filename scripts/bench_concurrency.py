@@ -174,7 +174,8 @@ async def lean_stream(url: str, body: dict[str, Any], on_first: Callable[[], Non
                 if not data:
                     break
                 pieces.append(data)
-                if FIRST_CONTENT.search(tail + data):
+                seen = tail + data
+                if any(m.end() > len(tail) for m in FIRST_CONTENT.finditer(seen)):  # text this read brought
                     now = time.perf_counter()
                     if last is not None:
                         result.gaps.append(now - last)
