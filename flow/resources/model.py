@@ -127,7 +127,7 @@ class ModelConfig(ResourceConfig):
                                            "up to prefill_burst while more prompts wait than rows decode")
     prefill_burst: int = Field(default=4, ge=1, le=64,
                                description="chunks a step may prefill while more prompts wait than rows decode "
-                                           "(a burst starts together; 1: one chunk a step, the streams' least stall)")
+                                           "(a burst starts together; 1: one chunk a step, the shortest stall a step)")
     strategy: Strategy = Field(
         default="decode_first",
         description="engine step order: decode_first (streams first), prefill_first (new requests first), "

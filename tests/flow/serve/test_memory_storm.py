@@ -20,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -143,15 +144,19 @@ async def test_a_disconnect_storm_leaves_no_request_objects_behind(tiny_qwen3: P
         await storm(server.base_url, 0, 2, seed=0)
         # A client has its [DONE] a moment before the server's side of its request ends (the route's task and
         # the handle it holds): the baseline is read once the server has let go of both streams.
-        deadline = time.monotonic() + 30
-        while (idle := _request_objects())["SequenceHandle"] and time.monotonic() < deadline:
-            await trio.sleep(0.2)
+        idle = await _objects_once(lambda now: now["_Sequence"] == now["SequenceHandle"] == 0)
         assert idle["_Sequence"] == idle["SequenceHandle"] == 0, idle
         assert await storm(server.base_url, 24, 4, seed=2) == {"vanished": 24, "done": 4}
-        deadline = time.monotonic() + 30
-        while not _none_left(left := _request_objects(), idle) and time.monotonic() < deadline:
-            await trio.sleep(0.2)
+        left = await _objects_once(lambda now: _none_left(now, idle))
         assert _none_left(left, idle), (left, idle)
+
+
+async def _objects_once(settled: Callable[[dict[str, int]], bool], seconds: float = 30) -> dict[str, int]:
+    """The request objects once ``settled`` holds for them, or as they are after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not settled(now := _request_objects()) and time.monotonic() < deadline:
+        await trio.sleep(0.2)
+    return now
 
 
 def _none_left(now: dict[str, int], idle: dict[str, int]) -> bool:
