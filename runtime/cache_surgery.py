@@ -72,14 +72,21 @@ def positions_of(layer: Any, row: int | None) -> tuple[Any, Any, int]:
     return keys[..., keys.shape[2] - held :, :], values[..., keys.shape[2] - held :, :], layer.offset - held
 
 
-def slicer(cache: list[Any], row: int | None) -> Slicer:
-    # Built on the first read: without a prefix cache nothing reads it. A recurrent layer (Qwen3.5's linear
-    # attention, a Mamba layer) holds no positions: its part is None (its state goes as a snapshot, state_reader).
+def slicer(cache: list[Any], row: int | None, now: bool = False) -> Slicer:
+    # Built on the first read (without a prefix cache nothing reads it), or ``now``: the layers' arrays of this
+    # moment. A recurrent layer (Qwen3.5's linear attention, a Mamba layer) holds no positions: its part is None
+    # (its state goes as a snapshot, state_reader).
     held: list[tuple[Any, Any, int] | None] = []
+
+    def hold() -> None:
+        held.extend(None if (kv := positions_part(c)) is None else positions_of(kv, row) for c in cache)
+
+    if now:
+        hold()
 
     def read(start: int, end: int) -> list[mx.array | None]:
         if not held:
-            held.extend(None if (kv := positions_part(c)) is None else positions_of(kv, row) for c in cache)
+            hold()
         out: list[mx.array | None] = []
         for layer in held:
             if layer is None:
@@ -127,6 +134,14 @@ def own_slicer(cache: list[Any]) -> Slicer:
 def row_slicer(cache: list[Any], row: int) -> Slicer:
     """Positions of one row of a left-padded batch cache (BatchKVCache or BatchRotatingKVCache per layer)."""
     return slicer(cache, row)
+
+
+def held_row(cache: list[Any], row: int, states: bool) -> tuple[Slicer, StateReader | None]:
+    """One row of a batch cache as it is now — its positions and (``states``) its recurrent states, slices of the
+    layers' arrays of this moment — for a store made after the row has left the batch (the batch's ``filter``
+    replaces the layers' arrays; the slices keep the old ones alive until the store drops them)."""
+    held = state_reader(cache, row)() if states else None
+    return slicer(cache, row, now=True), (lambda: held) if held is not None else None
 
 
 def trim_rows(cache: list[Any], trims: list[int]) -> None:

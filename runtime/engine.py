@@ -180,7 +180,7 @@ class Engine:
         self._run: dict[Phase, Callable[[], bool]] = {
             Phase.INTAKE: self._intake, Phase.DECODE: self._decode, Phase.PREFILL: self._prefill,
             Phase.LAUNCH: self._launch_pass, Phase.ADMIT: self._admit, Phase.DELIVER: self._deliver,
-            Phase.AUDIT: self._audit, Phase.CLOSE: self._close_step,
+            Phase.KEEP: self._keep, Phase.AUDIT: self._audit, Phase.CLOSE: self._close_step,
         }
         self._steps = self._bound_steps()
         device.add_stepper(self)
@@ -206,9 +206,12 @@ class Engine:
         """
         if self.prefix is None or len(prompt) <= self.prefix.config.block_tokens:
             return None
-        prefix = self.prefix
-        hit = await trio.to_thread.run_sync(prefix.match, self.namespace_for(adapters, images), prompt, self.windows,
-                                            policy.ttl_seconds)
+        prefix, namespace = self.prefix, self.namespace_for(adapters, images)
+
+        def match() -> PrefixHit:
+            prefix.settled()  # an answer that just ended is stored after its stream's end: this turn waits for it
+            return prefix.match(namespace, prompt, self.windows, policy.ttl_seconds)
+        hit = await trio.to_thread.run_sync(match)
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
         except BaseException:
@@ -537,6 +540,10 @@ class Engine:
         self._outbox.flush()
         return True
 
+    def _keep(self) -> bool:
+        self._keeper.store_finished()
+        return True
+
     def _audit(self) -> bool:
         """Idle device time (nothing decodes, nothing waits): one chunk of a prefix-cache hit's cold rerun."""
         if self._auditor.pending and not self._batch.seqs and not self.prefill.held and not self._inbox:
@@ -559,6 +566,7 @@ class Engine:
         """A work phase raised: fail the decode batch (whether to close the step)."""
         log.exception("engine step failed; failing its batch")
         self._launch = []
+        self._keeper.drop_finished()
         if self._replicator is not None:
             # The ranks may no longer hold the same batch: the group cannot go on.
             if not self._replicator.leader:

@@ -118,6 +118,8 @@ log = logging.getLogger("flow.prefix_cache")
 # None for a sliding-window layer that no longer holds those positions.
 Slicer = Callable[[int, int], list[mx.array | None]]
 T = TypeVar("T")
+# How long a reader waits for finished answers' stores (they come within the engine's step).
+SETTLE_SECONDS = 10.0
 MAX_SESSIONS = 4096  # named sessions whose state is remembered
 SESSIONS_SHOWN = 32  # the most recently used ones in ``stats_json``
 # A recurrent layer's state (mlx-lm's ``ArraysCache``) at the sequence's current position: its arrays, in
@@ -507,6 +509,30 @@ class PrefixCache:
         # State snapshots in memory inside a block: the key before them → their offsets into the block.
         self._state_offsets: dict[bytes, set[int]] = {}
         self._lock = threading.Lock()
+        # Finished answers an engine holds for their store, made once their last tokens went out (runtime/
+        # prefix_keeper.py): a reader that must see them (a next turn's match, an agent's turn record) waits.
+        self._pending = 0
+        self._settled = threading.Condition(self._lock)
+
+    # ------------------------------------------------------------------ stores made after a stream's end
+    def pending(self) -> None:
+        """An engine holds finished answers whose store comes later in its step (the device thread)."""
+        with self._lock:
+            self._pending += 1
+
+    def stored(self) -> None:
+        """Those answers are stored (or dropped): readers waiting for them go on."""
+        with self._lock:
+            self._pending -= 1
+            if not self._pending:
+                self._settled.notify_all()
+
+    def settled(self, timeout: float = SETTLE_SECONDS) -> None:
+        """Wait (a worker thread, never the device thread) until the finished answers held so far are stored: a
+        conversation's next turn, sent as soon as its answer ended, finds that answer's blocks. Past ``timeout``
+        the reader goes on without them (a miss, not an error)."""
+        with self._lock:
+            self._settled.wait_for(lambda: not self._pending, timeout)
 
     # ------------------------------------------------------------------ worker threads
     def match(self, namespace: bytes, tokens: Sequence[int], windows: Windows, ttl: float | None = None

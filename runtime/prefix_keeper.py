@@ -2,7 +2,8 @@
 
 A sequence's own cache starts from its prefix hit (:meth:`PrefixKeeper.new_cache`); its prompt's blocks go to
 the cache after every prefill chunk, and with ``cache_mode = "full"`` its prompt's and answer's when it finishes
-(:meth:`PrefixKeeper.keep`). On a hybrid model the recurrent layers' states go with them as snapshots: at the
+(:meth:`PrefixKeeper.keep`) — after its last tokens went out (the store copies every block: a stream's end does
+not wait for it), while the cache's readers that must see them wait (``PrefixCache.settled``). On a hybrid model the recurrent layers' states go with them as snapshots: at the
 prompt's end and the finish, at its *turn points* — where its template says the system messages and all the
 messages end (another conversation under the same system prompt, and this one's next turn, go on from there),
 or, when it does not say, the last block boundary ``TURN_MARGIN`` tokens or more before the prompt's end — and at
@@ -21,7 +22,7 @@ from typing import Any
 
 from mlx_lm.models.cache import make_prompt_cache
 
-from runtime.cache_surgery import row_slicer, row_state
+from runtime.cache_surgery import held_row
 from runtime.passes import ModelPasses
 from runtime.prefix_cache import (
     MAX_CHUNK_STATES,
@@ -50,6 +51,8 @@ class PrefixKeeper:
         self.cache = cache
         self.windows = windows
         self._passes = passes
+        # The finished rows held for their store after delivery: (sequence, tokens, positions, states).
+        self._finished: list[tuple[Sequence, list[int], Slicer, StateReader | None]] = []
 
     @cached_property
     def snapshots(self) -> bool:
@@ -153,11 +156,32 @@ class PrefixKeeper:
         return seq.prefilled in self.turn_points(seq)
 
     def keep_finished(self, batch: DecodeBatch, rows: list[int]) -> None:
-        """With ``cache_mode = "full"``: the finished rows' prompts and answers, read from their batch rows
-        before the rows are dropped."""
+        """With ``cache_mode = "full"``: the finished rows' prompts and answers, held from their batch rows before
+        the rows are dropped and stored by :meth:`store_finished` once their last tokens went out. Until then the
+        cache's readers that must see them wait (``PrefixCache.settled``)."""
         if self.cache is None:
             return
+        held = bool(self._finished)
         for i in rows:
             seq = batch.seqs[i]
             if seq.policy.mode == "full":
-                self.keep(seq, row_slicer(batch.cache, i), seq.keyed + seq.fed, state=row_state(batch.cache, i))
+                self._finished.append((seq, seq.keyed + seq.fed, *held_row(batch.cache, i, self.snapshots)))
+        if self._finished and not held:
+            self.cache.pending()
+
+    def store_finished(self) -> None:
+        """Store the finished rows :meth:`keep_finished` held (after the step delivered their last tokens)."""
+        if not self._finished or self.cache is None:
+            return
+        finished, self._finished = self._finished, []
+        try:
+            for seq, tokens, slicer, state in finished:
+                self.keep(seq, slicer, tokens, state=state)
+        finally:
+            self.cache.stored()
+
+    def drop_finished(self) -> None:
+        """The step failed before its finished rows were stored: they are not (readers stop waiting for them)."""
+        if self._finished and self.cache is not None:
+            self._finished = []
+            self.cache.stored()

@@ -2,7 +2,9 @@
 
 A step decides (take new sequences and cancellations), executes (decode the batch, prefill, launch the batch's
 pass, admit started rows) and delivers (hand what was decided to trio). Every step starts with ``intake`` and ends
-with ``close`` (counters, then a last ``deliver``), and ``audit`` (a prefix-cache hit's cold rerun, one chunk,
+with ``close`` (counters, then a last ``deliver``); ``keep`` stores the rows that finished in ``decode`` in the prefix
+cache right after their last tokens were delivered (a stream's end never waits for the store's copies, and the
+rows' old arrays live no longer than before), and ``audit`` (a prefix-cache hit's cold rerun, one chunk,
 only when nothing decodes or waits) comes just before ``close``; between them the table below gives the order:
 
 * ``decode_first`` (default): decode the batch and hand its tokens out, then prefill with the full budget —
@@ -37,15 +39,17 @@ class Phase(Enum):
     LAUNCH = "launch"  # execute (CPU): compute the batch's pass that decode left
     ADMIT = "admit"  # decide: started rows join the decode batch
     DELIVER = "deliver"  # deliver: what the step decided so far, one crossing per trio run
+    KEEP = "keep"  # the finished rows' prompts and answers to the prefix cache, once their last tokens went out
     AUDIT = "audit"  # idle time only (nothing decoding or waiting): a chunk of a prefix-cache hit's cold rerun
     CLOSE = "close"  # the step's counters and gauges, then a last deliver
 
 
 P = Phase
-_DECODE_FIRST_GPU = (P.INTAKE, P.DECODE, P.DELIVER, P.PREFILL, P.ADMIT, P.AUDIT, P.CLOSE)
-_DECODE_FIRST_CPU = (P.INTAKE, P.DECODE, P.DELIVER, P.PREFILL, P.DELIVER, P.LAUNCH, P.ADMIT, P.AUDIT, P.CLOSE)
-_PREFILL_FIRST_GPU = (P.INTAKE, P.PREFILL, P.ADMIT, P.DECODE, P.AUDIT, P.CLOSE)
-_PREFILL_FIRST_CPU = (P.INTAKE, P.PREFILL, P.ADMIT, P.DECODE, P.DELIVER, P.LAUNCH, P.AUDIT, P.CLOSE)
+_DECODE_FIRST_GPU = (P.INTAKE, P.DECODE, P.DELIVER, P.KEEP, P.PREFILL, P.ADMIT, P.AUDIT, P.CLOSE)
+_DECODE_FIRST_CPU = (P.INTAKE, P.DECODE, P.DELIVER, P.KEEP, P.PREFILL, P.DELIVER, P.LAUNCH, P.ADMIT, P.AUDIT,
+                     P.CLOSE)
+_PREFILL_FIRST_GPU = (P.INTAKE, P.PREFILL, P.ADMIT, P.DECODE, P.DELIVER, P.KEEP, P.AUDIT, P.CLOSE)
+_PREFILL_FIRST_CPU = (P.INTAKE, P.PREFILL, P.ADMIT, P.DECODE, P.DELIVER, P.KEEP, P.LAUNCH, P.AUDIT, P.CLOSE)
 
 # (strategy, pipelined — a device whose async_eval returns at once) → the step's phases in order.
 PHASES: dict[tuple[Strategy, bool], tuple[Phase, ...]] = {

@@ -259,14 +259,17 @@ def percentile(ordered: list[float], q: float) -> float:
 
 def gap_figures(streams: list[list[float]]) -> dict[str, float | None]:
     """The streams' gaps between tokens, measured between the reads that brought text (tokens that came together
-    count once, a stall shows whole): p50 and p99 over every gap of every stream, and the median over streams of
-    each one's longest gap — what a stream running beside new arrivals waits."""
+    count once, a stall shows whole): p50 and p99 over every gap of every stream, the median over streams of
+    each one's longest gap — what a stream running beside new arrivals waits — and of each one's last gap (the wait
+    for the answer's end, which is what an agent waits for before its next turn)."""
     every = sorted(g * 1000 for gaps in streams for g in gaps)
     longest = [max(gaps) * 1000 for gaps in streams if gaps]
+    last = [gaps[-1] * 1000 for gaps in streams if gaps]
     if not every:
-        return {"itl_ms_p50": None, "itl_ms_p99": None, "longest_gap_ms_p50": None}
+        return {"itl_ms_p50": None, "itl_ms_p99": None, "longest_gap_ms_p50": None, "last_gap_ms_p50": None}
     return {"itl_ms_p50": round(statistics.median(every), 1), "itl_ms_p99": round(percentile(every, 0.99), 1),
-            "longest_gap_ms_p50": round(statistics.median(longest), 1)}
+            "longest_gap_ms_p50": round(statistics.median(longest), 1),
+            "last_gap_ms_p50": round(statistics.median(last), 1)}
 
 
 def summarize(results: list[RequestResult]) -> dict[str, Any]:
@@ -547,8 +550,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['load_average_before'][0]:.2f}/{result['load_average_after'][0]:.2f}",
         "",
         "| concurrency | system | aggregate tok/s | TTFT p50 ms | TTFT p95 ms | per-stream tok/s | ITL p50 / p99 ms | "
-        "longest gap ms | failed | tokens/request |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "longest gap ms | last gap ms | failed | tokens/request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for level in result["levels"]:
         for system in systems:
@@ -557,7 +560,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {level} | {system} | {row.get('aggregate_tps', '–')} | {row.get('ttft_ms_p50', '–')} | "
                 f"{row.get('ttft_ms_p95', '–')} | {row.get('per_stream_tps_p50', '–')} | "
                 f"{row.get('itl_ms_p50', '–')} / {row.get('itl_ms_p99', '–')} | {row.get('longest_gap_ms_p50', '–')} | "
-                f"{row.get('failed', '–')} | "
+                f"{row.get('last_gap_ms_p50', '–')} | {row.get('failed', '–')} | "
                 f"{row.get('tokens_per_request', '–')} |")
     lines += ["", "Where the CPU went (the machine's cores are shared by the server and the load generator; raw has no "
               "client):", "", "| concurrency | system | server CPU µs/token | client CPU µs/token | cores busy |",

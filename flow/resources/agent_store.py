@@ -255,7 +255,10 @@ class AgentStore(Resource):
                     model: str) -> bool:
         """Append a finished turn to the history; remember where the turn's KV blocks are (False: the
         agent was deleted meanwhile)."""
-        state = self.prefix.session(session_id(agent_id)) if self.prefix is not None else None
+        state = None
+        if self.prefix is not None:
+            self.prefix.settled()  # the turn's answer is stored just after its stream ended
+            state = self.prefix.session(session_id(agent_id))
         with self._transaction() as dbs:
             for db in dbs.values():
                 row = self._row(db, agent_id)

@@ -76,6 +76,7 @@ class Rig:
                                     prefix=hit, policy=policy)
         result = await collect(handle)
         assert result.tokens == self.loaded.reference(prompt, max_tokens), "the cache changed the output"
+        await trio.to_thread.run_sync(self.cache.settled)  # the answer is stored just after its stream ended
         return result.tokens, handle.cached_tokens
 
     def close(self) -> None:
@@ -119,6 +120,41 @@ async def test_repeat_extension_and_shared_prefix_are_reused_exactly(qwen3: Load
     assert stats["hits"] == 3 and stats["reused_tokens"] > 0 and 0 < stats["hit_rate"] < 1
     assert stats["blocks"]["hot"] == stats["stored_blocks"] + stats["stored_tails"] and stats["hot_bytes"] > 0
     assert stats["stored_tails"] > 0
+
+
+async def test_a_stream_ends_before_its_answer_is_stored_and_the_next_turn_waits_for_the_store(
+        qwen3: Loaded, rigs: list[Rig]) -> None:
+    """A finished answer's blocks are copied into the cache after its last tokens went out (the stream's end does
+    not wait for the copies); a next turn's match that comes meanwhile waits for them, and finds them."""
+    r = rig(rigs, qwen3)
+    prompt = conversation(qwen3, "Where is the lamp?")
+    ended = threading.Event()
+    waited: list[bool] = []  # per store of a finished answer: whether its stream had ended when the store began
+    store = r.cache.store
+
+    def held_store(namespace: bytes, tokens: list[int], *args: Any, **kwargs: Any) -> int:
+        if len(tokens) > len(prompt):  # the prompt and its answer: the finish's store (a prompt's is shorter)
+            waited.append(ended.wait(30))
+        return store(namespace, tokens, *args, **kwargs)
+
+    r.cache.store = held_store  # type: ignore[method-assign]
+    handle = r.engine.submit(prompt, max_tokens=12, stop_ids=qwen3.eos, sampling=GREEDY)
+    answer = (await collect(handle)).tokens  # the store is held until this stream has ended
+    hits: list[Any] = []
+
+    async def next_turn() -> None:
+        hits.append(await r.engine.match_prefix(prompt + answer + answer[:1]))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(next_turn)
+        await trio.sleep(0.2)
+        assert not hits, "the next turn's match did not wait for the answer's store"
+        ended.set()
+    assert waited == [True], "the answer was stored before its stream ended"
+    hit = hits[0]
+    assert hit is not None and hit.tokens > len(prompt), "the next turn missed the answer's blocks"
+    r.cache.release(hit)
+    assert answer == qwen3.reference(prompt, 12)  # (on the device thread: once the store has gone on)
 
 
 async def test_prefix_mode_keeps_the_prompt_only(qwen3: Loaded, rigs: list[Rig]) -> None:

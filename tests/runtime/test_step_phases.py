@@ -43,3 +43,15 @@ def test_decode_first_and_balanced_hand_out_the_batch_tokens_before_any_prefill(
 def test_prefill_first_admits_new_rows_into_this_steps_pass(pipelined: bool) -> None:
     order = phases("prefill_first", pipelined)
     assert order.index(P.PREFILL) < order.index(P.ADMIT) < order.index(P.DECODE)
+
+
+@pytest.mark.parametrize("key", sorted(PHASES, key=str))
+def test_finished_rows_are_stored_once_their_last_tokens_went_out_and_before_any_match_on_the_device(
+        key: tuple[str, bool]) -> None:
+    """``keep`` follows the delivery of decode's tokens (a stream's end does not wait for the store's copies) and
+    precedes the audit, whose match runs on the device thread and must see them."""
+    order = PHASES[key]  # type: ignore[index]
+    assert order.count(P.KEEP) == 1
+    keep = order.index(P.KEEP)
+    assert order.index(P.DECODE) < keep and order[keep - 1] is P.DELIVER
+    assert keep < order.index(P.AUDIT)
