@@ -12,7 +12,7 @@ Never imports the engine; of the prefix cache only the reader types it hands the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache
@@ -72,14 +72,36 @@ def positions_of(layer: Any, row: int | None) -> tuple[Any, Any, int]:
     return keys[..., keys.shape[2] - held :, :], values[..., keys.shape[2] - held :, :], layer.offset - held
 
 
+class _PaddedRow(NamedTuple):
+    """A row of a plain batch KV cache held without reading its left padding (``.item()`` would wait for the
+    passes the device has in flight): read at the first slice."""
+
+    keys: mx.array
+    values: mx.array
+    pad: mx.array
+
+    def positions(self) -> tuple[mx.array, mx.array, int]:
+        pad = int(self.pad.item())  # type: ignore[arg-type]  # (an integer array)
+        return self.keys[..., pad:, :], self.values[..., pad:, :], 0
+
+
+def _padded_row(layer: Any, row: int | None) -> _PaddedRow | None:
+    if type(layer) is not BatchKVCache or row is None:  # (a quantized or rotating row: positions_of)
+        return None
+    assert layer.keys is not None and layer.values is not None, "a cache is read once it holds positions"
+    return _PaddedRow(layer.keys[row : row + 1, :, : layer._idx], layer.values[row : row + 1, :, : layer._idx],
+                      layer.left_padding[row])
+
+
 def slicer(cache: list[Any], row: int | None, now: bool = False) -> Slicer:
     # Built on the first read (without a prefix cache nothing reads it), or ``now``: the layers' arrays of this
     # moment. A recurrent layer (Qwen3.5's linear attention, a Mamba layer) holds no positions: its part is None
     # (its state goes as a snapshot, state_reader).
-    held: list[tuple[Any, Any, int] | None] = []
+    held: list[tuple[Any, Any, int] | _PaddedRow | None] = []
 
     def hold() -> None:
-        held.extend(None if (kv := positions_part(c)) is None else positions_of(kv, row) for c in cache)
+        held.extend(None if (kv := positions_part(c)) is None else _padded_row(kv, row) or positions_of(kv, row)
+                    for c in cache)
 
     if now:
         hold()
@@ -88,10 +110,12 @@ def slicer(cache: list[Any], row: int | None, now: bool = False) -> Slicer:
         if not held:
             hold()
         out: list[mx.array | None] = []
-        for layer in held:
+        for i, layer in enumerate(held):
             if layer is None:
                 out += [None, None]
                 continue
+            if isinstance(layer, _PaddedRow):
+                layer = held[i] = layer.positions()
             keys, values, first = layer
             if start < first:
                 out += [None, None]  # a sliding window that has moved past these positions
