@@ -56,7 +56,7 @@ class Decoder:
         self._keeper.keep_finished(batch, decoded.finished)  # read from their rows before the rows go
         batch.inputs = decoded.inputs
         batch.report = (list(batch.seqs), decoded.report) if decoded.report else None
-        batch.keep(decoded.keep)
+        batch.keep_later(decoded.keep)  # the finished rows leave once the step's tokens went out (settle)
         stats = self._tally.stats
         stats.generated_tokens += decoded.emitted
         stats.decode_steps += 1

@@ -541,6 +541,9 @@ class Engine:
         return True
 
     def _keep(self) -> bool:
+        """After the step's tokens went out: the finished rows leave the batch, and go to the prefix cache."""
+        if self._batch.settle():
+            self._update_gauges()
         self._keeper.store_finished()
         return True
 

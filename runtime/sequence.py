@@ -196,6 +196,7 @@ class DecodeBatch(Rows):
         self.inputs: mx.array | None = None  # [B] each row's next input token
         # Logprob figures for ``inputs``, for the sequences (as they were then) that asked.
         self.report: tuple[list[Sequence], LogprobReport] | None = None
+        self.staying: list[int] | None = None  # the rows that go on, filtered in by settle() (see keep_later)
 
     def add(self, rows: Rows) -> None:
         """Started rows join; each one's first token is its next input."""
@@ -209,6 +210,8 @@ class DecodeBatch(Rows):
         self.first = []
 
     def keep(self, keep: list[int]) -> None:
+        assert self.staying is None or not keep, "the step's finished rows leave (settle) before the batch changes"
+        self.staying = None
         if len(keep) == len(self.seqs):
             return
         super().keep(keep)
@@ -217,6 +220,23 @@ class DecodeBatch(Rows):
         else:
             assert self.inputs is not None
             self.inputs = self.inputs[mx.array(keep)]
+
+    def keep_later(self, keep: list[int]) -> None:
+        """Keep only these rows — at once when none or all go on; else at :meth:`settle`, after the step delivered
+        its tokens: filtering a batch cache reads its left padding (mlx-lm's ``filter`` shifts it), which waits for
+        the pass the device has in flight, and the step's tokens would wait with it."""
+        if keep and len(keep) < len(self.seqs):
+            self.staying = keep
+        else:
+            self.keep(keep)
+
+    def settle(self) -> bool:
+        """Filter in the rows :meth:`keep_later` left for after the delivery (whether it did)."""
+        staying, self.staying = self.staying, None
+        if staying is None:
+            return False
+        self.keep(staying)
+        return True
 
     def clear(self) -> list[Sequence]:
         """Empty the batch (its rows failed or the group is gone); the sequences it held."""

@@ -2,8 +2,9 @@
 
 A step decides (take new sequences and cancellations), executes (decode the batch, prefill, launch the batch's
 pass, admit started rows) and delivers (hand what was decided to trio). Every step starts with ``intake`` and ends
-with ``close`` (counters, then a last ``deliver``); ``keep`` stores the rows that finished in ``decode`` in the prefix
-cache right after their last tokens were delivered (a stream's end never waits for the store's copies, and the
+with ``close`` (counters, then a last ``deliver``); ``keep`` takes the rows that finished in ``decode`` out of the
+batch and stores them in the prefix cache right after their last tokens were delivered (a stream's end never waits
+for the store's copies, nor for the filter's read of the cache's padding, which waits for the pass in flight; the
 rows' old arrays live no longer than before), and ``audit`` (a prefix-cache hit's cold rerun, one chunk,
 only when nothing decodes or waits) comes just before ``close``; between them the table below gives the order:
 
@@ -39,7 +40,7 @@ class Phase(Enum):
     LAUNCH = "launch"  # execute (CPU): compute the batch's pass that decode left
     ADMIT = "admit"  # decide: started rows join the decode batch
     DELIVER = "deliver"  # deliver: what the step decided so far, one crossing per trio run
-    KEEP = "keep"  # the finished rows' prompts and answers to the prefix cache, once their last tokens went out
+    KEEP = "keep"  # once their last tokens went out: the finished rows leave the batch, their KV to the prefix cache
     AUDIT = "audit"  # idle time only (nothing decoding or waiting): a chunk of a prefix-cache hit's cold rerun
     CLOSE = "close"  # the step's counters and gauges, then a last deliver
 

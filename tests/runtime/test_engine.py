@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 import trio
+from mlx_lm.models.cache import BatchKVCache
 
 from protocols.ir import SamplingParams, TokenChunk
 from runtime.device import DeviceThread
@@ -470,6 +471,39 @@ async def test_max_queue_overflow_raises(qwen3: Loaded, engines: Engines) -> Non
 
 
 # --------------------------------------------------------------------------- cancellation and memory
+
+async def test_a_row_that_finishes_beside_others_ends_before_the_batch_is_filtered(
+        qwen3: Loaded, engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filtering the batch cache reads its left padding, which waits for the pass in flight: the finished row's last
+    chunk goes out first (a filter held until that stream has ended still lets it end)."""
+    engine = engines(qwen3)
+    ended = threading.Event()
+    waited: list[bool] = []
+    filter_rows = BatchKVCache.filter
+
+    def held_filter(self: BatchKVCache, batch_indices: Any) -> None:
+        if not waited:  # the first filter of the test: the short row's (its stream must have ended)
+            waited.append(ended.wait(30))
+        filter_rows(self, batch_indices)
+
+    monkeypatch.setattr(BatchKVCache, "filter", held_filter)
+    prompts = [qwen3.chat(p) for p in PROMPTS[:2]]
+    long = engine.submit(prompts[0], max_tokens=40, stop_ids=frozenset(), sampling=GREEDY)
+    short = engine.submit(prompts[1], max_tokens=4, stop_ids=frozenset(), sampling=GREEDY)
+    async with trio.open_nursery() as nursery:
+        results: list[Result] = []
+
+        async def run_long() -> None:
+            results.append(await collect(long))
+
+        nursery.start_soon(run_long)
+        first = await collect(short)
+        ended.set()
+    assert waited == [True], "the batch was filtered before the finished row's stream ended"
+    assert first.finish == "length" and len(first.tokens) == 4
+    assert results[0].tokens == qwen3.reference(prompts[0], 40)  # the rows that stayed decode on unchanged
+    assert first.tokens == qwen3.reference(prompts[1], 4)
+
 
 async def test_cancel_leaves_the_batch_and_frees_its_kv(qwen3: Loaded, engines: Engines) -> None:
     engine = engines(qwen3)
