@@ -3,11 +3,12 @@
 A sequence's own cache starts from its prefix hit (:meth:`PrefixKeeper.new_cache`); its prompt's blocks go to
 the cache after every prefill chunk, and with ``cache_mode = "full"`` its prompt's and answer's when it finishes
 (:meth:`PrefixKeeper.keep`) — after its last tokens went out (the store copies every block: a stream's end does
-not wait for it), while the cache's readers that must see them wait (``PrefixCache.settled``). On a hybrid model the recurrent layers' states go with them as snapshots: at the
-prompt's end and the finish, at its *turn points* — where its template says the system messages and all the
-messages end (another conversation under the same system prompt, and this one's next turn, go on from there),
-or, when it does not say, the last block boundary ``TURN_MARGIN`` tokens or more before the prompt's end — and at
-up to ``MAX_CHUNK_STATES`` chunk ends, the deepest of which rolls forward, so a retried prompt resumes from it.
+not wait for it), while the cache's readers that must see them wait (``PrefixCache.settled``). On a hybrid model
+the recurrent layers' states go with them as snapshots: at the prompt's end and the finish, at its *turn
+points* — where its template says the system messages and all the messages end (another conversation under the
+same system prompt, and this one's next turn, go on from there), or, when it does not say, the last block boundary
+``TURN_MARGIN`` tokens or more before the prompt's end — and at up to ``MAX_CHUNK_STATES`` chunk ends, the deepest
+of which rolls forward, so a retried prompt resumes from it.
 Its prefill chunks end on block boundaries and at the turn points (:meth:`PrefixKeeper.snapshot_chunk`) so that
 the states exist there.
 
