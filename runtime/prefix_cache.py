@@ -527,12 +527,12 @@ class PrefixCache:
             if not self._pending:
                 self._settled.notify_all()
 
-    def settled(self, timeout: float = SETTLE_SECONDS) -> None:
+    def settled(self, timeout: float = SETTLE_SECONDS) -> bool:
         """Wait (a worker thread, never the device thread) until the finished answers held so far are stored: a
         conversation's next turn, sent as soon as its answer ended, finds that answer's blocks. Past ``timeout``
-        the reader goes on without them (a miss, not an error)."""
+        the reader goes on without them (a miss, not an error): False."""
         with self._lock:
-            self._settled.wait_for(lambda: not self._pending, timeout)
+            return self._settled.wait_for(lambda: not self._pending, timeout)
 
     # ------------------------------------------------------------------ worker threads
     def match(self, namespace: bytes, tokens: Sequence[int], windows: Windows, ttl: float | None = None

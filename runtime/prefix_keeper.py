@@ -54,6 +54,7 @@ class PrefixKeeper:
         self._passes = passes
         # The finished rows held for their store after delivery: (sequence, tokens, positions, states).
         self._finished: list[tuple[Sequence, list[int], Slicer, StateReader | None]] = []
+        self._held = False  # the cache was told of stores to come (PrefixCache.pending), not yet of their end
 
     @cached_property
     def snapshots(self) -> bool:
@@ -162,19 +163,19 @@ class PrefixKeeper:
         cache's readers that must see them wait (``PrefixCache.settled``)."""
         if self.cache is None:
             return
-        held = bool(self._finished)
         for i in rows:
             seq = batch.seqs[i]
             if seq.policy.mode == "full":
+                if not self._held:  # readers wait from now until store_finished or drop_finished
+                    self.cache.pending()
+                    self._held = True
                 self._finished.append((seq, seq.keyed + seq.fed, *held_row(batch.cache, i, self.snapshots)))
-        if self._finished and not held:
-            self.cache.pending()
 
     def store_finished(self) -> None:
         """Store the finished rows :meth:`keep_finished` held (after the step delivered their last tokens)."""
-        if not self._finished or self.cache is None:
+        if not self._held or self.cache is None:
             return
-        finished, self._finished = self._finished, []
+        finished, self._finished, self._held = self._finished, [], False
         try:
             for seq, tokens, slicer, state in finished:
                 self.keep(seq, slicer, tokens, state=state)
@@ -183,6 +184,6 @@ class PrefixKeeper:
 
     def drop_finished(self) -> None:
         """The step failed before its finished rows were stored: they are not (readers stop waiting for them)."""
-        if self._finished and self.cache is not None:
-            self._finished = []
+        if self._held and self.cache is not None:
+            self._finished, self._held = [], False
             self.cache.stored()

@@ -23,6 +23,7 @@ from runtime.engine import Engine
 from runtime.engine_config import EngineConfig
 from runtime.kv_disk import DiskTier
 from runtime.prefix_cache import PrefixCache, PrefixConfig, _pieces, namespace_of
+from runtime.sequence import DecodeBatch
 from runtime.tiny import TinySpec, ensure_tiny_model
 from tests.runtime.test_engine import GREEDY, Loaded, collect
 
@@ -155,6 +156,31 @@ async def test_a_stream_ends_before_its_answer_is_stored_and_the_next_turn_waits
     assert hit is not None and hit.tokens > len(prompt), "the next turn missed the answer's blocks"
     r.cache.release(hit)
     assert answer == qwen3.reference(prompt, 12)  # (on the device thread: once the store has gone on)
+
+
+async def test_a_step_that_fails_before_its_store_leaves_no_reader_waiting(
+        qwen3: Loaded, rigs: list[Rig], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails between a row's finish and its store drops what it held: the cache's readers do not
+    wait for a store that will not come (here the step fails as the finished row leaves the batch)."""
+    r = rig(rigs, qwen3)
+    settle = DecodeBatch.settle
+
+    def failing_settle(self: DecodeBatch) -> bool:
+        if self.staying is not None:
+            raise RuntimeError("the filter failed")
+        return settle(self)
+
+    monkeypatch.setattr(DecodeBatch, "settle", failing_settle)
+    long = r.engine.submit(conversation(qwen3, "Tell me about the harbour."), max_tokens=40,
+                           stop_ids=frozenset(), sampling=GREEDY)
+    short = r.engine.submit(conversation(qwen3, "Where is the lamp?"), max_tokens=4, stop_ids=frozenset(),
+                            sampling=GREEDY)
+    assert len((await collect(short)).tokens) == 4  # its last chunk went out before the step failed
+    async with long:
+        async for _ in long.chunks:
+            pass
+    assert long.error is not None  # the batch failed with the step
+    assert r.cache.settled(timeout=0), "a reader would wait for the store of a failed step"
 
 
 async def test_prefix_mode_keeps_the_prompt_only(qwen3: Loaded, rigs: list[Rig]) -> None:
