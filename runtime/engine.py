@@ -495,6 +495,7 @@ class Engine:
             self._outbox.put_all(decoded.chunks)
             self._launch = decoded.launch
             self._update_gauges()  # before the chunks are delivered: a client that got its last token sees them
+            # (a row that finished beside others leaves the batch at keep, which reads them again)
         return True
 
     def _prefill(self) -> bool:

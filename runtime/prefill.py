@@ -185,7 +185,6 @@ class Prefill:
             self._between_passes(rows)  # a prompt whose client left during the pass gets no first token
             if rows.seqs:
                 self.start(rows)
-                self._outbox.flush()
         except Exception as exc:
             log.exception("prefill failed; failing its sequences")
             self._fail(group, exc)
@@ -242,7 +241,6 @@ class Prefill:
                     follower.rope = self._passes.rope(seq)  # the prompt's positions: its images are the leader's
                 follower.cross = seq.cross  # its images' cross-attention states, shared (never written)
             self.start(Rows.merge(starting))
-            self._outbox.flush()
         except Exception as exc:
             log.exception("could not batch the sequence's cache; failing it")
             self._fail(starting, exc)
@@ -313,8 +311,8 @@ class Prefill:
         return rows
 
     def start(self, rows: Rows) -> None:
-        """Run the rows' last prompt tokens, sample and hand out their first tokens; the rows that go on
-        wait in ready for the batch."""
+        """Run the rows' last prompt tokens, sample and hand out their first tokens (at once: the next group's
+        prefill does not hold them); the rows that go on wait in ready for the batch."""
         seqs = rows.seqs
         last = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
         positions = self._passes.positions(seqs, [len(s.prompt) - 1 for s in seqs], 1)
@@ -357,6 +355,7 @@ class Prefill:
                 finished += 1
         self._tally.finished(finished, now)
         stats.prompt_tokens += len(seqs)  # their last prompt tokens
+        self._outbox.flush()  # now: the filter below reads the cache's padding (it waits for a pass in flight)
         rows.first = tokens
         rows.keep(keep)
         if rows.seqs:
