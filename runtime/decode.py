@@ -121,27 +121,34 @@ class Decoder:
         decoded = Decoded([], [], [], sample.tokens, sample.report,
                           launch=[] if self._pipelined or early else launch)
         now = time.perf_counter()
-        for i, seq in enumerate(batch.seqs):
-            token = values[i]
+        # Every row, every step: what is looked up once is bound once (a few microseconds a row add up at 64).
+        chunks, keep, finished = decoded.chunks, decoded.keep, decoded.finished
+        emitted = 0
+        for i, (seq, token) in enumerate(zip(batch.seqs, values)):
             if hidden is not None and isinstance(seq.draft, MTPDraftState):
                 seq.draft.observe(len(seq.prompt) + len(seq.fed), hidden[i])
             seq.fed.append(token)
-            if seq.sampler.processors:
+            sampler = seq.sampler
+            if sampler.processors:
                 seq.history.append(token)
-                if len(seq.history) > 4 * seq.sampler.history_window:
-                    del seq.history[: -seq.sampler.history_window]
+                if len(seq.history) > 4 * sampler.history_window:
+                    del seq.history[: -sampler.history_window]
             if seq.fresh:
                 seq.fresh = False  # its input was its first token, handed out when it was sampled
-                decoded.keep.append(i)
+                keep.append(i)
                 continue
             first = seq.generated == 0
-            tokens, finish = seq.emit([token])
-            report = logprobs.get(seq) if tokens else None
-            if tokens and first:
-                self._tally.first_token(seq.submitted_at, now)
-            decoded.emitted += len(tokens)
-            decoded.chunks.append((seq, TokenChunk(tokens, finish, (report,) if report is not None else ())))
-            (decoded.keep if finish is None else decoded.finished).append(i)
+            tokens, finish = seq.emit_one(token)
+            if tokens:
+                emitted += 1
+                if first:
+                    self._tally.first_token(seq.submitted_at, now)
+                report = logprobs.get(seq) if logprobs else None
+                chunks.append((seq, TokenChunk(tokens, finish, (report,) if report is not None else ())))
+            else:
+                chunks.append((seq, TokenChunk(tokens, finish)))
+            (keep if finish is None else finished).append(i)
+        decoded.emitted += emitted
         return decoded
 
 

@@ -124,6 +124,13 @@ class Sequence:
                 return tuple(tokens), "length"
         return tuple(tokens), None
 
+    def emit_one(self, token: int) -> tuple[tuple[int, ...], FinishReason | None]:
+        """:meth:`emit` of one sampled token (a decode step's, for every row: no list, no loop)."""
+        if token in self.stop_ids:
+            return (), "stop"
+        self.generated += 1
+        return (token,), "length" if self.generated >= self.max_tokens else None
+
 
 class Rows:
     """Sequences whose KV caches are the rows of one batch cache per layer (left-padded)."""
