@@ -45,33 +45,6 @@ def positions_part(layer: Any) -> Any | None:
     return layer
 
 
-def positions_of(layer: Any, row: int | None) -> tuple[Any, Any, int]:
-    """A layer's keys and values for one sequence in position order, and the position of the first.
-
-    A full cache holds every position (a batch row after its left padding); a sliding-window
-    (rotating) cache only the last ones, possibly wrapped around its ring buffer. A quantized cache's positions
-    come packed (runtime.quantized_kv), so blocks keep their codes.
-    """
-    packed = quantized_kv.held(layer, row)
-    if packed is not None:
-        return packed[0], packed[1], 0
-    if isinstance(layer, (BatchKVCache, KVCache)):
-        keys, values = layer.keys, layer.values  # None only before the first token: never read then
-        assert keys is not None and values is not None, "a cache is read once it holds positions"
-        if isinstance(layer, KVCache):
-            return keys, values, 0
-        assert row is not None, "a batch cache is read one row at a time"
-        pad = int(layer.left_padding[row].item())  # type: ignore[arg-type]  # (an integer array)
-        return keys[row : row + 1, :, pad:], values[row : row + 1, :, pad:], 0
-    if row is not None:
-        layer = layer.extract(row)  # a rotating row, unrolled into position order
-        keys, values = layer.keys, layer.values
-    else:
-        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
-    held = min(keys.shape[2], layer.offset)
-    return keys[..., keys.shape[2] - held :, :], values[..., keys.shape[2] - held :, :], layer.offset - held
-
-
 class _PaddedRow(NamedTuple):
     """A row of a plain batch KV cache held without reading its left padding (``.item()`` would wait for the
     passes the device has in flight): read at the first slice."""
@@ -85,12 +58,31 @@ class _PaddedRow(NamedTuple):
         return self.keys[..., pad:, :], self.values[..., pad:, :], 0
 
 
-def _padded_row(layer: Any, row: int | None) -> _PaddedRow | None:
-    if type(layer) is not BatchKVCache or row is None:  # (a quantized or rotating row: positions_of)
-        return None
-    assert layer.keys is not None and layer.values is not None, "a cache is read once it holds positions"
-    return _PaddedRow(layer.keys[row : row + 1, :, : layer._idx], layer.values[row : row + 1, :, : layer._idx],
-                      layer.left_padding[row])
+def positions_of(layer: Any, row: int | None) -> tuple[Any, Any, int] | _PaddedRow:
+    """A layer's keys and values for one sequence in position order, and the position of the first.
+
+    A full cache holds every position (a batch row after its left padding, which is read at the row's first slice:
+    :class:`_PaddedRow`); a sliding-window (rotating) cache only the last ones, possibly wrapped around its ring
+    buffer. A quantized cache's positions come packed (runtime.quantized_kv), so blocks keep their codes.
+    """
+    packed = quantized_kv.held(layer, row)
+    if packed is not None:
+        return packed[0], packed[1], 0
+    if isinstance(layer, (BatchKVCache, KVCache)):
+        keys, values = layer.keys, layer.values  # None only before the first token: never read then
+        assert keys is not None and values is not None, "a cache is read once it holds positions"
+        if isinstance(layer, KVCache):
+            return keys, values, 0
+        assert row is not None, "a batch cache is read one row at a time"
+        end = layer._idx
+        return _PaddedRow(keys[row : row + 1, :, :end], values[row : row + 1, :, :end], layer.left_padding[row])
+    if row is not None:
+        layer = layer.extract(row)  # a rotating row, unrolled into position order
+        keys, values = layer.keys, layer.values
+    else:
+        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+    held = min(keys.shape[2], layer.offset)
+    return keys[..., keys.shape[2] - held :, :], values[..., keys.shape[2] - held :, :], layer.offset - held
 
 
 def slicer(cache: list[Any], row: int | None, now: bool = False) -> Slicer:
@@ -100,8 +92,7 @@ def slicer(cache: list[Any], row: int | None, now: bool = False) -> Slicer:
     held: list[tuple[Any, Any, int] | _PaddedRow | None] = []
 
     def hold() -> None:
-        held.extend(None if (kv := positions_part(c)) is None else _padded_row(kv, row) or positions_of(kv, row)
-                    for c in cache)
+        held.extend(None if (kv := positions_part(c)) is None else positions_of(kv, row) for c in cache)
 
     if now:
         hold()
