@@ -143,6 +143,7 @@ class Decoder:
                 emitted += 1
                 if first:
                     self._tally.first_token(seq.submitted_at, now)
+                    decoded.started = True
                 report = logprobs.get(seq) if logprobs else None
                 chunks.append((seq, TokenChunk(tokens, finish, (report,) if report is not None else ())))
             else:

@@ -164,7 +164,7 @@ class Engine:
         pipelined = mx.default_device().type != mx.DeviceType.cpu
         self._phases = phases(config.strategy, pipelined)
         self._batch = DecodeBatch()
-        self._outbox = Outbox()
+        self._outbox = Outbox(config.stream_interval)
         self._passes = passes = ModelPasses(model, self.adapters, draft_model, self.kv_quantizer)
         self._keeper = PrefixKeeper(self.prefix, self.windows, passes)
         step_cost = PassCost(weight=0.05)  # decode passes' seconds by the tokens they hold
@@ -434,6 +434,7 @@ class Engine:
             max_batch=self.config.max_batch,
             prefill_chunk=self.config.prefill_chunk,
             prefill_burst=self.config.prefill_burst,
+            stream_interval_ms=round(self.config.stream_interval * 1000, 3),
             max_queue=self.config.max_queue,
             kv_bytes_per_token=self.kv_bytes_per_token(),
             prefix_cache="on" if self.prefix is not None else
@@ -492,7 +493,7 @@ class Engine:
         if self._batch.seqs:
             # No prompt waits: on the CPU too, this step's pass runs before the last step's tokens are read.
             decoded = self._decoder.step(self._batch, early=not self.prefill.has_work())
-            self._outbox.put_all(decoded.chunks)
+            self._outbox.put_all(decoded.chunks, urgent=decoded.started or bool(decoded.finished))
             self._launch = decoded.launch
             self._update_gauges()  # before the chunks are delivered: a client that got its last token sees them
             # (a row that finished beside others leaves the batch at keep, which reads them again)
@@ -561,7 +562,7 @@ class Engine:
             mx.clear_cache()
         if self.adapters:
             self._sweep_adapters()
-        self._outbox.flush()
+        self._outbox.flush(force=not self._batch.seqs)  # no row decodes on: none of its tokens may wait
         if self._replicator is not None:
             self._replicator.step_done()
         return True

@@ -65,6 +65,8 @@ class EngineConfig:
     max_queue: int = 256  # sequences waiting for a row beyond which submit refuses
     # While more prompts wait than rows decode, a step's budget is up to this many chunks (1: always one).
     prefill_burst: int = 4
+    # Steps quicker than this hand their tokens out together (runtime/outbox.py; 0: every step's at once).
+    stream_interval: float = 0.005
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_quantization: KVQuantization = KVQuantization()
 
@@ -73,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"unknown strategy {self.strategy!r}; expected one of {', '.join(STRATEGIES)}")
         if self.max_batch < 1 or self.prefill_chunk < 1 or self.max_queue < 1 or self.prefill_burst < 1:
             raise ValueError("max_batch, prefill_chunk, max_queue and prefill_burst must be positive")
+        if not 0 <= self.stream_interval <= 1:
+            raise ValueError("stream_interval must be between 0 and 1 second")
 
 
 class EngineOverloaded(Exception):

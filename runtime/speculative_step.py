@@ -160,6 +160,7 @@ class Speculator:
             tokens, finish = seq.emit(handed)
             if first and tokens:
                 self._tally.first_token(seq.submitted_at, now)
+                decoded.started = True
             decoded.emitted += len(tokens)
             if tokens or finish is not None:
                 decoded.chunks.append((seq, TokenChunk(tokens, finish)))

@@ -128,6 +128,10 @@ class ModelConfig(ResourceConfig):
     prefill_burst: int = Field(default=4, ge=1, le=64,
                                description="chunks a step may prefill while more prompts wait than rows decode "
                                            "(a burst starts together; 1: one chunk a step, the shortest stall a step)")
+    stream_interval_ms: float = Field(default=5.0, ge=0, le=1000,
+                                      description="steps quicker than this hand their tokens out together, one "
+                                                  "chunk a stream (first and last tokens never wait; 0: every "
+                                                  "step's tokens at once)")
     strategy: Strategy = Field(
         default="decode_first",
         description="engine step order: decode_first (streams first), prefill_first (new requests first), "
@@ -370,6 +374,7 @@ class ModelResource(Resource):
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue,
                                      prefill_burst=self.config.prefill_burst,
+                                     stream_interval=self.config.stream_interval_ms / 1000,
                                      speculative=SpeculativeConfig(spec.kind, spec.max_draft, spec.min_ngram,
                                                                    spec.max_ngram, spec.max_batch),
                                      kv_quantization=KVQuantization(self.config.kv_bits, self.config.kv_group_size,
@@ -408,7 +413,8 @@ class ModelResource(Resource):
         assert prefix is None or prefix.disk is None, "a distributed model's prefix cache is in memory only"
         engine_config = EngineConfig(max_batch=self.config.max_batch, prefill_chunk=self.config.prefill_chunk,
                                      strategy=self.config.strategy, max_queue=self.config.max_queue,
-                                     prefill_burst=self.config.prefill_burst)
+                                     prefill_burst=self.config.prefill_burst,
+                                     stream_interval=self.config.stream_interval_ms / 1000)
         spec = RankSpec(path=str(path), parallel=settings.parallel, backend=settings.backend,
                         max_batch=engine_config.max_batch, prefill_chunk=engine_config.prefill_chunk,
                         strategy=engine_config.strategy, max_queue=engine_config.max_queue,

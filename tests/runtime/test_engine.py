@@ -129,16 +129,16 @@ async def run_all(engine: Engine, prompts: list[list[int]], max_tokens: int, *,
                   sampling: list[SamplingParams] | None = None, stop: frozenset[int] = frozenset(),
                   stagger_after: int | None = None) -> list[Result]:
     """Run prompts concurrently; with ``stagger_after``, the second half joins once the
-    first sequence has produced that many chunks (so they merge into a running batch)."""
+    first sequence has handed out that many tokens (so they merge into a running batch)."""
     results: list[Result | None] = [None] * len(prompts)
     params = sampling or [GREEDY] * len(prompts)
     first_half = len(prompts) if stagger_after is None else max(1, len(prompts) // 2)
     go = trio.Event()
     seen = 0
 
-    def count(_: TokenChunk) -> None:
+    def count(chunk: TokenChunk) -> None:
         nonlocal seen
-        seen += 1
+        seen += len(chunk.token_ids)  # a chunk holds several when steps are quicker than the stream interval
         if stagger_after is not None and seen >= stagger_after:
             go.set()
 
@@ -236,10 +236,10 @@ async def test_a_lone_row_decodes_on_single_sequence_views_and_rows_join_it_afte
     go = trio.Event()
     seen = 0
 
-    def count(_: TokenChunk) -> None:
+    def count(chunk: TokenChunk) -> None:
         nonlocal seen
-        seen += 1
-        if seen == 20:
+        seen += len(chunk.token_ids)
+        if seen >= 20:
             go.set()
 
     async with trio.open_nursery() as nursery:
@@ -822,3 +822,59 @@ async def test_every_step_runs_the_phase_tables_order(qwen3: Loaded, engines: En
     want = list(phases(strategy, mx.default_device().type != mx.DeviceType.cpu))  # type: ignore[arg-type]
     assert len(steps) > 12 and all(step == want for step in steps), steps
 
+
+
+# --------------------------------------------------------------------------- the stream interval (runtime/outbox.py)
+
+async def test_quick_steps_hand_their_tokens_out_together(qwen3: Loaded, engines: Engines) -> None:
+    """Steps quicker than the stream interval hand their tokens out together, one chunk a sequence: the same
+    tokens as mlx-lm's, in order; a sequence's first token and its last (with its finish) never wait."""
+    prompts = [qwen3.chat(p) for p in PROMPTS[:3]]
+    every = await run_all(engines(qwen3, stream_interval=0), prompts, 24)
+    grouped = await run_all(engines(qwen3, stream_interval=1.0), prompts, 24)
+    for prompt, one, together in zip(prompts, every, grouped):
+        assert one.tokens == together.tokens == qwen3.reference(prompt, 24)
+        assert one.finish == together.finish and together.finish is not None
+        assert all(len(c.token_ids) <= 1 for c in one.chunks) and len(one.chunks) >= len(one.tokens)
+        if len(together.tokens) > 2:
+            # the first token at once (from the prefill); the steps after it (~1 ms each) share chunks, the
+            # last of which carries the finish
+            assert len(together.chunks[0].token_ids) == 1 and len(together.chunks) < len(together.tokens)
+            assert together.chunks[-1].finish_reason == together.finish
+
+
+async def test_tokens_held_for_the_interval_go_out_before_a_failure(qwen3: Loaded, engines: Engines,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails hands out what earlier steps held back, then the failure: the client sees the same
+    tokens and the same error as with every step's tokens handed out at once."""
+    prompt = qwen3.chat(PROMPTS[0])
+    seen: list[tuple[list[int], BaseException | None]] = []
+    for interval in (0.0, 1.0):
+        engine = engines(qwen3, stream_interval=interval)
+        step = engine._decoder.step
+        calls = 0
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 6:
+                raise RuntimeError("the device broke")
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(engine._decoder, "step", failing)
+        handle = engine.submit(prompt, max_tokens=64, stop_ids=frozenset(), sampling=GREEDY)
+        tokens: list[int] = []
+        with trio.fail_after(30):
+            async with handle:
+                async for chunk in handle.chunks:
+                    tokens.extend(chunk.token_ids)
+        seen.append((tokens, handle.error))
+    (every, error), (grouped, grouped_error) = seen
+    assert len(every) >= 4 and grouped == every == qwen3.reference(prompt, 64)[: len(every)]
+    assert isinstance(error, RuntimeError) and isinstance(grouped_error, RuntimeError)
+    assert str(grouped_error) == str(error) == "the device broke"
+
+
+def test_the_stream_interval_is_validated() -> None:
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig(stream_interval=-0.001)

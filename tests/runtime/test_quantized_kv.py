@@ -128,7 +128,7 @@ async def test_a_batch_is_quantized_once_its_longest_row_reaches_the_start(devic
     short, long = loaded.chat("hi"), loaded.chat("the sea " * 40)
     start = len(long) + 6
     want = reference(loaded, long, 24, 8, start)
-    engine = make_engine(loaded, made, 8, start)
+    engine = make_engine(loaded, made, 8, start, stream_interval=0)  # a chunk every step: the watch sees each
     seen: list[tuple[type, int, int]] = []  # (layer cache type, KV bytes, rows) after each chunk
 
     def watch(_: Any) -> None:
