@@ -484,6 +484,8 @@ class Engine:
 
     def _take_inbox(self) -> None:
         """The sequences submitted so far join the prefill queue."""
+        if not self._inbox:
+            return  # read without the lock: one submitted meanwhile is taken at the next step
         with self._lock:
             taken = list(self._inbox)
             self._inbox.clear()
@@ -495,11 +497,15 @@ class Engine:
             decoded = self._decoder.step(self._batch, early=not self.prefill.has_work())
             self._outbox.put_all(decoded.chunks, urgent=decoded.started or bool(decoded.finished))
             self._launch = decoded.launch
-            self._update_gauges()  # before the chunks are delivered: a client that got its last token sees them
-            # (a row that finished beside others leaves the batch at keep, which reads them again)
+            if decoded.finished:
+                # before the chunks are delivered: a client that got its last token sees them (a row that finished
+                # beside others leaves the batch at keep, which reads them again)
+                self._update_gauges()
         return True
 
     def _prefill(self) -> bool:
+        if not self.prefill.waiting and not self.prefill.towers:
+            return True  # nothing to prefill: most steps of a decoding batch
         self._gather()
         self.prefill.run(self._prefill_budget(), self.config.prefill_chunk)
         return True
@@ -621,8 +627,8 @@ class Engine:
         Runs at the start of every step and before every pass of prefill work within one, so a cancelled
         sequence costs at most the pass that was running when it was cancelled. Distributed, cancels apply at
         a step's start only, from its message (:meth:`_replicate`): every rank must drop the same rows."""
-        if self._replicator is not None:
-            return
+        if self._replicator is not None or not self._cancelled:
+            return  # (read without the lock: a cancel that comes meanwhile is applied at the next check)
         with self._lock:
             if not self._cancelled:
                 return
