@@ -66,7 +66,7 @@ class EngineConfig:
     # While more prompts wait than rows decode, a step's budget is up to this many chunks (1: always one).
     prefill_burst: int = 4
     # Steps quicker than this hand their tokens out together (runtime/outbox.py; 0: every step's at once).
-    stream_interval: float = 0.005
+    stream_interval: float = 0.010
     speculative: SpeculativeConfig = SpeculativeConfig()
     kv_quantization: KVQuantization = KVQuantization()
 

@@ -386,11 +386,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
 def start_flow(model_dir: Path, port: int, args: argparse.Namespace, tmp: Path) -> subprocess.Popen[bytes]:
     graph = tmp / "bench-graph.toml"
     burst = getattr(args, "prefill_burst", None)  # the other benchmarks that start flow keep the graph's default
+    interval = getattr(args, "stream_interval_ms", None)
     # The prefix cache's disk tier in a fresh directory at every start: the other servers start cold each round.
     graph.write_text(
         f'extends = "{ROOT / "graphs" / "default.toml"}"\n\n[resources.model]\npath = "{model_dir}"\n'
         f'name = "bench"\naliases = []\nmax_batch = {args.max_batch}\nprefill_chunk = {args.prefill_chunk}\n'
-        + (f'prefill_burst = {burst}\n' if burst is not None else "") +
+        + (f'prefill_burst = {burst}\n' if burst is not None else "")
+        + (f'stream_interval_ms = {interval}\n' if interval is not None else "") +
         f'strategy = "{args.strategy}"\nmax_queue = 1024\n\n'
         f'[resources.prefix_cache]\ndirectory = "{tempfile.mkdtemp(prefix="kv-cache-", dir=tmp)}"\n')
     # As a module, not the console script: a checkout run from PYTHONPATH (a lent GPU machine) has no `flow` on PATH.
@@ -543,7 +545,9 @@ def markdown(result: dict[str, Any]) -> str:
         + (f"a shared system prompt of {result['system_words']} words, " if result.get("system_words") else "")
         + f"flow engine: strategy `{result['flow_config']['strategy']}`, max_batch "
         f"{result['flow_config']['max_batch']}, prefill_chunk {result['flow_config']['prefill_chunk']}, "
-        f"prefill_burst {result['flow_config'].get('prefill_burst', 4)}; "
+        f"prefill_burst {result['flow_config'].get('prefill_burst', 4)}"
+        + (f", stream_interval_ms {result['flow_config']['stream_interval_ms']}"
+           if result['flow_config'].get('stream_interval_ms') is not None else "") + "; "
         f"{result.get('client', 'httpx')} client; "
         f"OpenBLAS {'on' if result['openblas'] else 'off'}; {result['cpus']} CPUs; median of {result['rounds']} "
         f"round(s) (failed: summed over rounds); load average before/after "
@@ -601,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--prefill-chunk", type=int, default=512)
     parser.add_argument("--prefill-burst", type=int, default=4, help="flow's chunks a step while a burst waits")
+    parser.add_argument("--stream-interval-ms", type=float, help="flow's stream interval (default: the graph's)")
     parser.add_argument("--rounds", type=int, default=1, help="repeat, alternating systems; medians are reported")
     parser.add_argument("--client", choices=("lean", "httpx"), default="lean",
                         help="the load generator's streams: read off a socket (lean), or parsed event by event by "
@@ -632,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "model_dir": str(model_dir), "max_tokens": args.max_tokens, "levels": args.levels,
         "openblas": blas.openblas_active(), "cpus": os.cpu_count(),
         "flow_config": {"strategy": args.strategy, "max_batch": args.max_batch, "prefill_chunk": args.prefill_chunk,
-                        "prefill_burst": args.prefill_burst},
+                        "prefill_burst": args.prefill_burst, "stream_interval_ms": args.stream_interval_ms},
         "vllm_mlx": args.vllm_mlx if "vllm-mlx" in systems else None,
         "system_words": args.system_words, "client": args.client,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),

@@ -128,7 +128,7 @@ class ModelConfig(ResourceConfig):
     prefill_burst: int = Field(default=4, ge=1, le=64,
                                description="chunks a step may prefill while more prompts wait than rows decode "
                                            "(a burst starts together; 1: one chunk a step, the shortest stall a step)")
-    stream_interval_ms: float = Field(default=5.0, ge=0, le=1000,
+    stream_interval_ms: float = Field(default=10.0, ge=0, le=1000,
                                       description="steps quicker than this hand their tokens out together, one "
                                                   "chunk a stream (first and last tokens never wait; 0: every "
                                                   "step's tokens at once)")
