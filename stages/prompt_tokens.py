@@ -10,6 +10,11 @@ prompt takes the ids of the longest such part it shares with one of them and tok
 
 A tokenizer that normalizes or splits across special tokens would break that: each tokenizer's first
 ``VERIFIED`` reuses are checked against a full tokenization, and one mismatch turns reuse off for it (logged).
+
+A Hugging Face fast tokenizer's text is tokenized by its Rust ``tokenizers.Tokenizer`` directly: the same ids
+without transformers' Python around the call (~80 against ~170 µs for a short chat prompt, on every request's
+way to the engine). Each tokenizer's first ``VERIFIED`` texts are checked against ``tokenizer.encode``; one
+mismatch sends it back there for good (logged).
 """
 
 from __future__ import annotations
@@ -37,11 +42,41 @@ class _Tokenized:
 
 
 class _State:
-    def __init__(self, specials: dict[int, str]) -> None:
+    def __init__(self, specials: dict[int, str], rust: Any) -> None:
         self.specials = specials  # id → text of the special tokens that split the text (none: no reuse)
         self.recent: OrderedDict[str, _Tokenized] = OrderedDict()
         self.verified = 0
         self.off = not specials
+        self.rust = rust  # the fast tokenizer's tokenizers.Tokenizer (None: tokenizer.encode)
+        self.rust_verified = 0
+
+
+def _ids(state: _State | None, tokenizer: Any, text: str) -> tuple[int, ...]:
+    """``tokenizer.encode(text, add_special_tokens=False)``, from its Rust tokenizer where it has one."""
+    rust = state.rust if state is not None else None
+    if rust is None:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+    ids = tuple(rust.encode(text, add_special_tokens=False).ids)
+    if state is not None and state.rust_verified < VERIFIED:
+        whole = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if whole != ids:
+            log.warning("tokenizer %s: its Rust tokenizer's ids differ from encode()'s; prompts go through "
+                        "encode() from now on", type(tokenizer).__name__)
+            state.rust = None
+            return whole
+        state.rust_verified += 1
+    return ids
+
+
+def _rust_tokenizer(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` under a Hugging Face fast tokenizer (mlx-lm's wrapper around it), or None."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    rust = getattr(hf, "_tokenizer", None)
+    return rust if isinstance(rust, Tokenizer) else None
 
 
 class PromptTokens:
@@ -58,7 +93,7 @@ class PromptTokens:
         """``tokenizer.encode(text, add_special_tokens=False)``, as ids."""
         state = self._state(tokenizer)
         if state is None or state.off or len(text) < MIN_REUSE:
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
+            return _ids(state, tokenizer, text)
         with self._lock:
             known = state.recent.get(text)
             if known is not None:  # asked again (a retry; the same probe render each request)
@@ -66,12 +101,12 @@ class PromptTokens:
                 return tuple(known.ids)
             base, cut = self._best_cut(state, text)
         if base is None:
-            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            ids = _ids(state, tokenizer, text)
             cuts = _cuts(text, ids, state.specials)
             self.tokenized_chars += len(text)
         else:
             offset, index = cut
-            rest = tuple(tokenizer.encode(text[offset:], add_special_tokens=False))
+            rest = _ids(state, tokenizer, text[offset:])
             ids = tuple(base.ids[:index]) + rest
             self.tokenized_chars += len(text) - offset
             if state.verified < VERIFIED:
@@ -99,7 +134,7 @@ class PromptTokens:
             try:
                 state = self._states.get(tokenizer)
                 if state is None:
-                    state = self._states[tokenizer] = _State(_splitting_specials(tokenizer))
+                    state = self._states[tokenizer] = _State(_splitting_specials(tokenizer), _rust_tokenizer(tokenizer))
             except TypeError:  # not weakly referable
                 return None
             return state

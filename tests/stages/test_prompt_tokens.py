@@ -45,6 +45,8 @@ def test_each_turn_reuses_the_last_and_equals_tokenizing_whole(preset: str) -> N
     assert tokens.reused_tokens > 0
     state: Any = tokens._states[tokenizer]
     assert not state.off and state.verified == VERIFIED
+    # every family's fast tokenizer is read from its Rust tokenizer, checked against encode() first
+    assert state.rust is not None and state.rust_verified == VERIFIED
     assert tokens.tokenized_chars < len(text) * 3  # not every turn tokenized whole (that is ~len(text) * 8 / 2)
     before = tokens.tokenized_chars
     assert tokens.encode(tokenizer, text) == whole and tokens.tokenized_chars == before  # asked again: kept
@@ -77,3 +79,21 @@ def test_a_tokenizer_that_would_tokenize_otherwise_is_left_whole() -> None:
     assert tokens.encode(tokenizer, second) == tuple(tokenizer.encode(second))  # checked: differs, so whole
     assert tokens._states[tokenizer].off
     assert tokens.encode(tokenizer, second + "w") == tuple(tokenizer.encode(second + "w"))
+
+
+def test_a_rust_tokenizer_that_disagrees_with_encode_is_left_for_encode() -> None:
+    """A fast tokenizer whose ``encode`` does more than its Rust tokenizer (here: appends an id) is asked through
+    ``encode`` once a checked text differs: every answer is ``encode``'s."""
+    real = load_tokenizer(ensure_tiny_model("tiny-qwen3"))
+
+    class Appending:
+        _tokenizer = real._tokenizer  # the Hugging Face tokenizer, whose own _tokenizer is the Rust one
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [*real.encode(text, add_special_tokens=add_special_tokens), 7]
+
+    tokenizer = Appending()
+    tokens = PromptTokens()
+    for text in ("short", "a little longer text", "x" * (MIN_REUSE + 10)):
+        assert tokens.encode(tokenizer, text) == tuple(tokenizer.encode(text, add_special_tokens=False))
+    assert tokens._states[tokenizer].rust is None
