@@ -246,8 +246,10 @@ class DecodeBatch(Rows):
         return True
 
     def clear(self) -> list[Sequence]:
-        """Empty the batch (its rows failed or the group is gone); the sequences it held."""
-        seqs = self.seqs
+        """Empty the batch (its rows failed or the group is gone); the sequences it held that go on — not the
+        rows of a step that finished and wait for :meth:`settle` to leave: their last chunks are out."""
+        seqs = self.seqs if self.staying is None else [self.seqs[i] for i in self.staying]
+        self.staying = None
         self.keep([])
         return seqs
 

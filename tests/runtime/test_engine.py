@@ -90,6 +90,9 @@ class Engines:
         self.made: list[Engine] = []
 
     def __call__(self, loaded: Loaded, **config: Any) -> Engine:
+        # Every step's tokens handed out as they come: tests that start sequences once others have streamed some
+        # see each step (the stream interval's own tests set one).
+        config.setdefault("stream_interval", 0)
         engine = Engine(loaded.model, loaded.device, EngineConfig(**config))
         self.made.append(engine)
         return engine

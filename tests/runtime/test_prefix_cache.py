@@ -67,6 +67,7 @@ class Rig:
     def __init__(self, loaded: Loaded, cache: PrefixCache, **config: Any) -> None:
         self.loaded = loaded
         self.cache = cache
+        config.setdefault("stream_interval", 0)  # every step's tokens as they come: tests time arrivals by them
         self.engine = Engine(loaded.model, loaded.device, EngineConfig(**config), cache, namespace_of(loaded.name))
 
     async def run(self, prompt: list[int], max_tokens: int = 12, policy: CachePolicy = CachePolicy()

@@ -70,6 +70,7 @@ def reference(loaded: Loaded, prompt: list[int], max_tokens: int, bits: int, sta
 
 def make_engine(loaded: Loaded, made: list[Engine], bits: int = 8, start: int = 0, prefix: PrefixCache | None = None,
                 chunk: int = CHUNK, **config: Any) -> Engine:
+    config.setdefault("stream_interval", 0)  # every step's tokens as they come: the tests watch each step
     engine = Engine(loaded.model, loaded.device,
                     EngineConfig(prefill_chunk=chunk, kv_quantization=KVQuantization(bits, None, start), **config),
                     prefix, namespace_of(loaded.name))
@@ -128,7 +129,7 @@ async def test_a_batch_is_quantized_once_its_longest_row_reaches_the_start(devic
     short, long = loaded.chat("hi"), loaded.chat("the sea " * 40)
     start = len(long) + 6
     want = reference(loaded, long, 24, 8, start)
-    engine = make_engine(loaded, made, 8, start, stream_interval=0)  # a chunk every step: the watch sees each
+    engine = make_engine(loaded, made, 8, start)
     seen: list[tuple[type, int, int]] = []  # (layer cache type, KV bytes, rows) after each chunk
 
     def watch(_: Any) -> None:

@@ -165,6 +165,7 @@ def engines_of(rows: VisionRows, namespace: bytes) -> Iterator[Callable[..., Eng
     made: list[Engine] = []
 
     def make(prefix: PrefixCache | None = None, **config: Any) -> Engine:
+        config.setdefault("stream_interval", 0)  # every step's tokens as they come: tests time arrivals by them
         engine = Engine(rows.model, rows.device, EngineConfig(**config), prefix, namespace)
         made.append(engine)
         return engine
