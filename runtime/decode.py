@@ -42,6 +42,7 @@ class Decoder:
         self._keeper = keeper
         self._tally = tally
         self._step_cost = step_cost  # decode passes' seconds by the tokens they hold (speculation's cost fit)
+        self._speculating = speculator.config.kind != "off"
         self._pipelined = pipelined  # a GPU: launch the pass before reading the last step's tokens
         self._lone = LoneRowViews()  # a batch of one row runs on single-sequence cache views
 
@@ -49,7 +50,7 @@ class Decoder:
         """Decode one step of the batch; the rows that finished leave it (their extra token with them). ``early``:
         on the CPU too, launch the pass before reading the last step's tokens (no prompt waits for the device)."""
         start = time.perf_counter()
-        drafts = self._speculator.drafts(batch)
+        drafts = self._speculator.drafts(batch) if self._speculating else None
         decoded = self._speculator.verify(batch, *drafts) if drafts is not None else self._plain(batch, early)
         now = time.perf_counter()
         self._tally.finished(len(decoded.finished), now)
@@ -73,7 +74,8 @@ class Decoder:
         start = time.perf_counter()
         mx.async_eval(*arrays)  # type: ignore[no-untyped-call]
         seconds = time.perf_counter() - start
-        self._step_cost.add(int(arrays[0].shape[0]), seconds)
+        if self._speculating:  # the fit only speculation reads
+            self._step_cost.add(int(arrays[0].shape[0]), seconds)
         return seconds
 
     def _plain(self, batch: DecodeBatch, early: bool) -> Decoded:

@@ -271,6 +271,8 @@ class DeviceThread:
         cores.restore()
 
     def _run_jobs(self, block: bool) -> None:
+        if not block and self._jobs.empty():
+            return  # between a busy loop's steps, most turns: no exception raised and caught to find that out
         try:
             item = self._jobs.get(block=block, timeout=IDLE_RELEASE_SECONDS if block else None)
         except queue.Empty:
