@@ -59,6 +59,15 @@ piece on its way); otherwise it writes nothing and the piece takes the
 ordinary path. What the socket does not take is written by the request's task
 through the send lock (``write_raw``), before any later piece.
 
+**A response's head goes out with its first body piece.** hypercorn sends a
+response's head (``http.response.start``, held until the first body piece) and
+that piece as two writes, one right after the other, and a fixed-length body's
+end as a write of no bytes. Each write is a system call, and on a busy server
+each gives the interpreter lock to the device thread and waits to take it
+back: the head is held and written with the piece after it, and an empty piece
+is not written. (A connection that closes in between had sent nothing of its
+response either way.)
+
 **A connection's idle timer is one task whose deadline moves.** hypercorn stops
 its keep-alive timer when a request begins and starts it again, as a new task
 (a nursery's ``start``, under a lock), when the response is done: per request
@@ -122,9 +131,18 @@ async def _protocol_send(self: Any, event: Event) -> None:
             await _original_protocol_send(self, event)
         return
     data = event.data
+    held = self.__dict__.pop("_flow_head", None)
+    if held is not None:
+        data = held + data  # the response's head, with the piece after it
+    elif self.__dict__.get("_flow_hold_head"):
+        self._flow_hold_head = False
+        self._flow_head = data  # a response's head: sent with the next piece (its body follows at once)
+        return
+    if not data:
+        return  # a fixed-length body's end: nothing to write
     sent = _send_now(self, data)
     if sent is None:
-        await _original_protocol_send(self, event)
+        await _original_protocol_send(self, event if held is None else RawData(data=data))
         return
     if sent == len(data):
         return
@@ -152,6 +170,9 @@ async def _stream_send(self: Any, event: StreamEvent) -> None:
         version = getattr(self.connection, "their_http_version", None)  # a WebSocket upgrade's has none
         self._flow_chunked = (event.status_code >= 200 and version is not None and version >= b"1.1"
                               and not any(name.lower() == b"content-length" for name, _ in event.headers))
+        server = getattr(self.send, "__self__", None)
+        if event.status_code >= 200 and isinstance(server, TCPServer):
+            server._flow_hold_head = True  # its bytes are the next piece _protocol_send sees
     await _original_stream_send(self, event)
 
 
@@ -175,7 +196,7 @@ class DirectWriter:
         ``None`` (nothing written) when this response cannot be written to directly now. (Per streamed token:
         :func:`_send_now`'s checks and write with the socket, its lock and the body's framing looked up once per
         response.)"""
-        if not self._chunked or self._stream.closed or self._lock.locked():
+        if not self._chunked or self._stream.closed or self._lock.locked() or "_flow_head" in self._server.__dict__:
             return None
         if not data:
             return b""

@@ -11,10 +11,12 @@ request's task.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -157,3 +159,35 @@ def test_a_whole_answer_cut_by_a_stop_string_ends_its_run(server: RunningServer)
     while server.health()["requests"]["active"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.health()["requests"]["active"] == 0
+
+
+def test_a_head_goes_out_with_the_first_piece_and_an_empty_piece_is_not_written(
+        server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole answer is one write (head and body; no empty write for its end); a stream's head goes out in the
+    same write as its first frame. Each write is a system call and, on a busy server, a wait for the
+    interpreter lock."""
+    import flow.serve.hypercorn_fixes as fixes
+
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def recorded(fd: int, data: Any) -> int:
+        writes.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(fixes.os, "write", recorded)
+    port = int(server.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = Reader(sock)
+        sock.sendall(request(stream=False))
+        status, headers = reader.head()
+        whole = json.loads(reader.exactly(int(headers["content-length"])))
+        assert whole["choices"][0]["message"]["content"] == TEXT
+        assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"}"), writes
+        writes.clear()
+        sock.sendall(request(stream=True))
+        status, _ = reader.head()
+        assert status.startswith("HTTP/1.1 200") and streamed_text(reader.chunked()) == TEXT
+    assert writes[0].startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in writes[0]
+    assert b"data: " in writes[0].split(b"\r\n\r\n", 1)[1], "the head went out without the first frame"
+    assert all(writes), "an empty write"
