@@ -172,7 +172,7 @@ async def _stream_send(self: Any, event: StreamEvent) -> None:
                               and not any(name.lower() == b"content-length" for name, _ in event.headers))
         server = getattr(self.send, "__self__", None)
         if event.status_code >= 200 and isinstance(server, TCPServer):
-            server._flow_hold_head = True  # its bytes are the next piece _protocol_send sees
+            server.__dict__["_flow_hold_head"] = True  # its bytes are the next piece _protocol_send sees
     await _original_stream_send(self, event)
 
 
