@@ -69,14 +69,17 @@ def _ids(state: _State | None, tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 def _rust_tokenizer(tokenizer: Any) -> Any:
-    """The ``tokenizers.Tokenizer`` under a Hugging Face fast tokenizer (mlx-lm's wrapper around it), or None."""
+    """The ``tokenizers.Tokenizer`` under one of transformers' own fast tokenizer classes (mlx-lm's wrapper around
+    it), or None: a model's own tokenizer code (``trust_remote_code``) may do more in ``encode``."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         return None
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     rust = getattr(hf, "_tokenizer", None)
-    return rust if isinstance(rust, Tokenizer) else None
+    if not isinstance(rust, Tokenizer) or not type(hf).__module__.startswith("transformers."):
+        return None
+    return rust
 
 
 class PromptTokens:
