@@ -27,6 +27,7 @@ from runtime.cache_surgery import LoneRowViews
 from runtime.engine_stats import Tally
 from runtime.mtp import MTPDraftState
 from runtime.pass_cost import PassCost
+from runtime.outbox import UNHELD_TOKENS
 from runtime.passes import ModelPasses
 from runtime.prefix_keeper import PrefixKeeper
 from runtime.sampling import sample_batch
@@ -143,9 +144,10 @@ class Decoder:
             tokens, finish = seq.emit_one(token)
             if tokens:
                 emitted += 1
-                if first:
-                    self._tally.first_token(seq.submitted_at, now)
-                    decoded.started = True
+                if seq.generated <= UNHELD_TOKENS:
+                    decoded.started = True  # they go out at once (runtime/outbox.py)
+                    if first:
+                        self._tally.first_token(seq.submitted_at, now)
                 report = logprobs.get(seq) if logprobs else None
                 chunks.append((seq, TokenChunk(tokens, finish, (report,) if report is not None else ())))
             else:

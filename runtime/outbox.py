@@ -10,8 +10,9 @@ sampled, at the step's end). A follower rank's replicas have no trio run: rank 0
 tokens of steps in between wait in the outbox and go out together, each sequence's as one chunk: one crossing,
 one wake of the event loop, one pass through a request's stages and one frame on its socket for several tokens,
 so flow's own Python per token shrinks where it would otherwise cap the device. What a client waits for never
-waits: a sequence's first tokens, its last (it finished) and a failure go out at once, with everything held
-before them. ``interval = 0`` hands out every step's tokens.
+waits: a sequence's first :data:`UNHELD_TOKENS` tokens (what a client shows may begin a few tokens in, after a
+reasoning tag, a channel header or leading whitespace a parser takes), its last (it finished) and a failure go out
+at once, with everything held before them. ``interval = 0`` hands out every step's tokens.
 
 Never imports the engine.
 """
@@ -25,6 +26,8 @@ import trio
 from protocols.ir import TokenChunk
 from runtime.handle import SequenceHandle, hand_over
 from runtime.sequence import Sequence
+
+UNHELD_TOKENS = 8  # a sequence's first tokens, handed out as they come
 
 
 class Outbox:

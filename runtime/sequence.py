@@ -265,7 +265,7 @@ class Decoded:
     inputs: mx.array
     report: LogprobReport | None = None  # logprob figures for ``inputs``, for the rows that asked
     emitted: int = 0  # tokens handed out
-    started: bool = False  # a row's first token is among the chunks (they go out at once: runtime.outbox)
+    started: bool = False  # a row's first tokens are among the chunks (they go out at once: runtime.outbox)
     launch: list[mx.array] = field(default_factory=list)
 
 

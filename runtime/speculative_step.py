@@ -26,6 +26,7 @@ from runtime.cache_surgery import trim_rows
 from runtime.engine_config import SpeculativeConfig
 from runtime.engine_stats import Tally
 from runtime.mtp import MTPDrafter, MTPDraftState
+from runtime.outbox import UNHELD_TOKENS
 from runtime.pass_cost import PassCost
 from runtime.passes import ModelPasses
 from runtime.recurrent_rollback import RecurrentRollback
@@ -160,7 +161,8 @@ class Speculator:
             tokens, finish = seq.emit(handed)
             if first and tokens:
                 self._tally.first_token(seq.submitted_at, now)
-                decoded.started = True
+            if tokens and seq.generated - len(tokens) < UNHELD_TOKENS:
+                decoded.started = True  # a sequence's first tokens go out at once (runtime/outbox.py)
             decoded.emitted += len(tokens)
             if tokens or finish is not None:
                 decoded.chunks.append((seq, TokenChunk(tokens, finish)))

@@ -1,7 +1,7 @@
 """The stream interval through the server: steps quicker than ``stream_interval_ms`` hand their tokens out together
 (``runtime/outbox.py``). Every protocol's stream then carries several tokens in a frame and says the same: the
 same text, the same logprobs token by token, the same usage and finish as a server that sends every step's token
-at once; the first token is never held back with the rest."""
+at once; the first tokens are never held back with the rest."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_openai_chunks_carry_several_tokens_and_say_the_same(servers: tuple[Runn
     assert [t for f in together for t in f] == [t for f in one_by_one for t in f]
     assert (grouped_finish, grouped_used) == (finish, used) == ("length", TOKENS)
     assert all(len(frame) == 1 for frame in one_by_one)
-    # the first token alone, at once; the ~1 ms steps after it share frames
+    # the first tokens one by one, at once; the ~1 ms steps after them share frames
     assert len(together[0]) == 1 and len(together) < len(one_by_one)
 
 
