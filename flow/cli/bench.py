@@ -78,7 +78,7 @@ def server_round(server: RunningServer, max_tokens: int) -> tuple[float, float, 
     seen = json.loads(done.stdout)
     if seen["chunks"] < 2:
         raise RuntimeError("the server streamed fewer than two content chunks; raise --max-tokens")
-    # Chunks are per engine step (one token each in single-stream decode).
+    # Tokens from the usage: a chunk holds several where steps are quicker than the stream interval.
     decode_tps = (seen["tokens"] - 1) / (seen["last"] - seen["first"])
     return decode_tps, (seen["first"] - seen["start"]) * 1000, seen["tokens"]
 
