@@ -58,14 +58,23 @@ def _ids(state: _State | None, tokenizer: Any, text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
     ids = tuple(rust.encode(text, add_special_tokens=False).ids)
     if state is not None and state.rust_verified < VERIFIED:
-        whole = tuple(tokenizer.encode(text, add_special_tokens=False))
-        if whole != ids:
-            log.warning("tokenizer %s: its Rust tokenizer's ids differ from encode()'s; prompts go through "
-                        "encode() from now on", type(tokenizer).__name__)
+        whole = _differing(tokenizer, text, ids, "its Rust tokenizer's ids differ from encode()'s; prompts go "
+                                                 "through encode() from now on")
+        if whole is not None:
             state.rust = None
             return whole
         state.rust_verified += 1
     return ids
+
+
+def _differing(tokenizer: Any, text: str, ids: tuple[int, ...], meaning: str) -> tuple[int, ...] | None:
+    """``tokenizer.encode``'s ids of the whole ``text`` where they differ from ``ids`` (logged, with what that
+    means for the tokenizer), else None."""
+    whole = tuple(tokenizer.encode(text, add_special_tokens=False))
+    if whole == ids:
+        return None
+    log.warning("tokenizer %s: %s", type(tokenizer).__name__, meaning)
+    return whole
 
 
 def _rust_tokenizer(tokenizer: Any) -> Any:
@@ -113,10 +122,9 @@ class PromptTokens:
             ids = tuple(base.ids[:index]) + rest
             self.tokenized_chars += len(text) - offset
             if state.verified < VERIFIED:
-                whole = tuple(tokenizer.encode(text, add_special_tokens=False))
-                if whole != ids:
-                    log.warning("tokenizer %s: a prompt tokenized in two parts differs from it tokenized whole; "
-                                "prompts are tokenized whole from now on", type(tokenizer).__name__)
+                whole = _differing(tokenizer, text, ids, "a prompt tokenized in two parts differs from it tokenized "
+                                                         "whole; prompts are tokenized whole from now on")
+                if whole is not None:
                     state.off = True
                     return whole
                 state.verified += 1
