@@ -26,8 +26,8 @@ from protocols.ir import TokenChunk, TokenLogprob
 from runtime.cache_surgery import LoneRowViews
 from runtime.engine_stats import Tally
 from runtime.mtp import MTPDraftState
-from runtime.pass_cost import PassCost
 from runtime.outbox import UNHELD_TOKENS
+from runtime.pass_cost import PassCost
 from runtime.passes import ModelPasses
 from runtime.prefix_keeper import PrefixKeeper
 from runtime.sampling import sample_batch
