@@ -46,16 +46,25 @@ def positions_part(layer: Any) -> Any | None:
 
 
 class _PaddedRow(NamedTuple):
-    """A row of a plain batch KV cache held without reading its left padding (``.item()`` would wait for the
-    passes the device has in flight): read at the first slice."""
+    """A row of a plain batch KV cache held without reading its left padding (reading it would wait for the
+    passes the device has in flight): read at the first slice, every layer's at once (:func:`_unpadded`)."""
 
     keys: mx.array
     values: mx.array
     pad: mx.array
 
-    def positions(self) -> tuple[mx.array, mx.array, int]:
-        pad = int(self.pad.item())  # type: ignore[arg-type]  # (an integer array)
+    def positions(self, pad: int) -> tuple[mx.array, mx.array, int]:
         return self.keys[..., pad:, :], self.values[..., pad:, :], 0
+
+
+def _unpadded(held: list[Any]) -> None:
+    """Replace the held padded rows by their positions, their paddings read in one wait for the device (a wait
+    a layer cost a 24-layer model ~1.5 ms a row stored)."""
+    rows = [i for i, layer in enumerate(held) if isinstance(layer, _PaddedRow)]
+    if rows:
+        pads: list[int] = mx.stack([held[i].pad for i in rows]).tolist()  # type: ignore[assignment]
+        for i, pad in zip(rows, pads):
+            held[i] = held[i].positions(pad)
 
 
 def positions_of(layer: Any, row: int | None) -> tuple[Any, Any, int] | _PaddedRow:
@@ -100,13 +109,13 @@ def slicer(cache: list[Any], row: int | None, now: bool = False) -> Slicer:
     def read(start: int, end: int) -> list[mx.array | None]:
         if not held:
             hold()
+        _unpadded(held)  # at the first read (no-op after)
         out: list[mx.array | None] = []
-        for i, layer in enumerate(held):
+        for layer in held:
             if layer is None:
                 out += [None, None]
                 continue
-            if isinstance(layer, _PaddedRow):
-                layer = held[i] = layer.positions()
+            assert not isinstance(layer, _PaddedRow)
             keys, values, first = layer
             if start < first:
                 out += [None, None]  # a sliding window that has moved past these positions

@@ -447,7 +447,8 @@ class DiskTier:
         with self._lock:
             if key in self.index:
                 return
-        tensors = {f"{i}": a for i, a in enumerate(block.arrays) if a is not None}
+        # a block cut from a segment's host arrays is a view: copied here, off the device thread
+        tensors = {f"{i}": np.ascontiguousarray(a) for i, a in enumerate(block.arrays) if a is not None}
         data = save_safetensors(tensors, metadata={"dtype": block.dtype, "count": str(len(block.arrays))})
         path = self.path(key)
         try:

@@ -305,9 +305,10 @@ class Prefill:
                 c.finalize()  # the padding moves to the left, where the batch expects it
         self._passes.quantize(rows.cache)
         mx.eval([c.state for c in rows.cache])
-        for row, seq in enumerate(group):
-            seq.prefilled = len(seq.prompt) - 1
-            self._keeper.keep(seq, row_slicer(rows.cache, row), state=row_state(rows.cache, row))
+        with self._keeper.storing():  # the rows' blocks in one wait, before the pass of their last tokens
+            for row, seq in enumerate(group):
+                seq.prefilled = len(seq.prompt) - 1
+                self._keeper.keep(seq, row_slicer(rows.cache, row), state=row_state(rows.cache, row))
         return rows
 
     def start(self, rows: Rows) -> None:

@@ -100,7 +100,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -345,10 +346,6 @@ class BlockKeys:
         return self.keys[:blocks]
 
 
-def _host(a: mx.array) -> np.ndarray:
-    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
-
-
 def _device(a: np.ndarray, dtype: str) -> mx.array:
     """A host array back on the device: bfloat16 ones were stored as uint16 (a snapshot may mix dtypes: a
     bfloat16 convolution window beside a float32 recurrent state)."""
@@ -360,24 +357,66 @@ def quantization_group(head_dim: int) -> int | None:
     return next((g for g in (128, 64, 32) if head_dim % g == 0), None)  # larger groups: fewer scales
 
 
+class _HostForm:
+    """Arrays on their way to the disk tier (a segment's, or a block's own): as they are, or ``kv_bits``-quantized
+    in groups along the head dimension (when a group size divides it) — built lazily, so they are evaluated with
+    the blocks' copies in one wait (:meth:`PrefixCache._settle`), then copied to the host once. A segment's blocks
+    are cut from its host arrays (views: a 24-layer model's 5-block row was 240 copies on the device thread):
+    quantization groups run along the head dimension, so a block's codes are the segment's at its positions."""
+
+    def __init__(self, arrays: list[mx.array | None], kv_bits: int | None) -> None:
+        present = [a for a in arrays if a is not None]
+        self.dtype = str(present[0].dtype).removeprefix("mlx.core.") if present else "none"
+        group = quantization_group(present[0].shape[-1]) if kv_bits and present else None
+        self.parts: list[mx.array | None] = []
+        self._host: list[np.ndarray | None] | None = None
+        if kv_bits is None or group is None or is_packed(present[0]):  # live-quantized rows' codes: as they are
+            self.parts = [None if a is None else _hostable(a) for a in arrays]
+            self.stride = 1
+            return
+        self.stride = 3
+        self.dtype = f"q{kv_bits}g{group}:{self.dtype}"
+        for a in arrays:
+            if a is None:
+                self.parts += [None, None, None]
+                continue
+            quantized = mx.quantize(a.reshape(-1, a.shape[-1]), group_size=group, bits=kv_bits)
+            self.parts += [_hostable(q.reshape(*a.shape[:-1], -1)) for q in quantized]
+
+    @property
+    def lazy(self) -> list[mx.array]:
+        return [p for p in self.parts if p is not None]
+
+    def _arrays(self) -> list[np.ndarray | None]:
+        # Without a copy: numpy's arrays hold the evaluated MLX arrays (never updated in place: nothing runs a pass
+        # on them) and the disk writer copies their bytes on its own thread.
+        if self._host is None:
+            self._host = [None if p is None else np.asarray(p) for p in self.parts]
+        return self._host
+
+    def whole(self) -> HostBlock:
+        """All of it: a block's own arrays (a tail, a state snapshot's arrays of any shape)."""
+        return self._block(self._arrays())
+
+    def cut(self, offset: int, length: int) -> HostBlock:
+        """Positions ``[offset, offset + length)``: a block of the segment (views; the writer copies them)."""
+        return self._block([None if a is None else a[..., offset : offset + length, :] for a in self._arrays()])
+
+    def _block(self, arrays: list[np.ndarray | None]) -> HostBlock:
+        if self.stride == 3:  # scales and biases as mx.quantize gives them for the block's rows: one row a vector
+            arrays = [a if a is None or i % 3 == 0 else a.reshape(-1, a.shape[-1]) for i, a in enumerate(arrays)]
+        return HostBlock(tuple(arrays), self.dtype)
+
+
+def _hostable(a: mx.array) -> mx.array:
+    return a.view(mx.uint16) if a.dtype == mx.bfloat16 else a  # numpy has no bfloat16
+
+
 def _to_host(arrays: list[mx.array | None], kv_bits: int | None = None) -> HostBlock:
-    """A block's arrays for the host and the disk: as they are, or ``kv_bits``-quantized in groups along the
-    head dimension (when a group size divides it)."""
-    present = [a for a in arrays if a is not None]
-    if not present:  # a block of a model without attention layers (Mamba-2): its key marks the prefix, no KV
-        return HostBlock(tuple(None for _ in arrays), "none")
-    dtype = str(present[0].dtype).removeprefix("mlx.core.")
-    group = quantization_group(present[0].shape[-1]) if kv_bits else None
-    if kv_bits is None or group is None or is_packed(present[0]):  # live-quantized rows' codes: kept as they are
-        return HostBlock(tuple(None if a is None else _host(a) for a in arrays), dtype)
-    out: list[np.ndarray | None] = []
-    for a in arrays:
-        if a is None:
-            out += [None, None, None]
-            continue
-        packed, scales, biases = mx.quantize(a.reshape(-1, a.shape[-1]), group_size=group, bits=kv_bits)
-        out += [np.array(packed).reshape(*a.shape[:-1], -1), _host(scales), _host(biases)]
-    return HostBlock(tuple(out), f"q{kv_bits}g{group}:{dtype}")
+    """One block's arrays for the host and the disk (see :class:`_HostForm`)."""
+    form = _HostForm(arrays, kv_bits)
+    mx.eval(form.lazy)
+    return form.whole()
 
 
 def _to_device(host: HostBlock) -> list[mx.array | None]:
@@ -513,6 +552,7 @@ class PrefixCache:
         # prefix_keeper.py): a reader that must see them (a next turn's match, an agent's turn record) waits.
         self._pending = 0
         self._settled = threading.Condition(self._lock)
+        self._unsettled: list[Block] | None = None  # inside storing(): the blocks added, not yet evaluated
 
     # ------------------------------------------------------------------ stores made after a stream's end
     def pending(self) -> None:
@@ -860,13 +900,8 @@ class PrefixCache:
             if snapshot is not None:
                 added.append(snapshot)
         if added:
-            mx.eval([a for block in added for a in block.arrays or [] if a is not None])
-            for block in added:
+            for block in added:  # hot now (their copies still lazy): a row stored after this one shares them
                 self._make_hot(block)
-                if block.persist and self.disk is not None:
-                    bits = self.config.disk_kv_bits if block.length else None  # a state is kept as it is
-                    self.disk.write(block.key, block.parent, namespace, _to_host(block.arrays or [], bits),
-                                    block.expires)
             with self._lock:
                 self.stats.stored_blocks += sum(1 for block in added if block.length == b)
                 self.stats.stored_tails += sum(1 for block in added if 0 < block.length < b)
@@ -881,8 +916,59 @@ class PrefixCache:
                 if len(self.sessions) > MAX_SESSIONS:  # forget the longest idle ones (their blocks stay)
                     for old in sorted(self.sessions, key=lambda k: self.sessions[k].last_access)[: MAX_SESSIONS // 8]:
                         del self.sessions[old]
-        self._evict()
+        if self._unsettled is not None:
+            self._unsettled += added  # settled with the rest of the batch (storing)
+        else:
+            self._settle(added)
         return len(added)
+
+    @contextmanager
+    def storing(self) -> Iterator[None]:
+        """Stores made inside (on the device thread: a prefilled group's rows, a step's finished answers) are
+        settled together at the end, in one wait for the device: their copies and disk forms evaluated at once, a
+        row at a time cost a wait each. Nothing may run a pass on the caches they were cut from meanwhile (a lazy
+        copy would keep the cache's buffer from being updated in place)."""
+        if self._unsettled is not None:
+            yield  # inside another: that one settles
+            return
+        self._unsettled = []
+        try:
+            yield
+        finally:
+            added, self._unsettled = self._unsettled, None
+            try:
+                self._settle(added)
+            except Exception:  # the cache is an optimisation: its failure must not fail the sequences
+                log.exception("prefix cache: could not store blocks")
+
+    def _settle(self, added: list[Block]) -> None:
+        """Evaluate new blocks' copies and their disk forms in one wait, queue their disk writes, then evict (not
+        before: an evicted block must be on its way to disk). Should the evaluation fail, the blocks leave."""
+        if added:
+            writes = [block for block in added if block.persist] if self.disk is not None else []
+            forms: dict[int, _HostForm] = {}
+            for block in writes:
+                source = block.segment if block.segment is not None else block
+                if id(source) not in forms:  # a state snapshot is kept as it is
+                    bits = self.config.disk_kv_bits if block.length else None
+                    forms[id(source)] = _HostForm(source.arrays or [], bits)
+            try:
+                sources = {id(s): s for s in (b.segment or b for b in added)}.values()  # a segment's blocks: views
+                mx.eval([a for s in sources for a in s.arrays or [] if a is not None],
+                        [a for form in forms.values() for a in form.lazy])
+            except BaseException:
+                with self._lock:
+                    for block in added:
+                        self._forget(block)
+                raise
+            for block in writes:
+                assert self.disk is not None
+                if block.segment is not None:
+                    host = forms[id(block.segment)].cut(block.offset, block.length)
+                else:
+                    host = forms[id(block)].whole()
+                self.disk.write(block.key, block.parent, block.namespace, host, block.expires)
+        self._evict()
 
     def _snapshot(self, namespace: bytes, position: bytes, state: StateReader, expires: float, persist: bool,
                   anchor: tuple[bytes, int] | None) -> Block | None:

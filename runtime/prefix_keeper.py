@@ -18,6 +18,8 @@ Never imports the engine; the prefix cache and the cache surgery are the modules
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from typing import Any
 
@@ -116,6 +118,12 @@ class PrefixKeeper:
             return end // b * b - seq.prefilled
         return n
 
+    @contextmanager
+    def storing(self) -> Iterator[None]:
+        """The keeps inside are settled together (``PrefixCache.storing``)."""
+        with self.cache.storing() if self.cache is not None else nullcontext():
+            yield
+
     def keep(self, seq: Sequence, slicer: Slicer, tokens: list[int] | None = None,
              state: StateReader | None = None) -> None:
         """Give the prefix cache the blocks it lacks of ``tokens``: prompt and answer when the sequence has
@@ -177,8 +185,9 @@ class PrefixKeeper:
             return
         finished, self._finished, self._held = self._finished, [], False
         try:
-            for seq, tokens, slicer, state in finished:
-                self.keep(seq, slicer, tokens, state=state)
+            with self.cache.storing():
+                for seq, tokens, slicer, state in finished:
+                    self.keep(seq, slicer, tokens, state=state)
         finally:
             self.cache.stored()
 

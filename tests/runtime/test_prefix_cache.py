@@ -730,6 +730,47 @@ def test_a_segment_counts_as_hot_until_most_of_it_has_left() -> None:
     assert cache.referenced() == 0
 
 
+@pytest.mark.parametrize("bits", [None, 8])
+def test_rows_stored_together_write_what_each_store_alone_would(tmp_path: Path, bits: int | None) -> None:
+    """Rows stored inside ``storing()`` (a prefilled group's) are hot at once — a later row shares an earlier
+    one's blocks — and settle in one wait at its end: every block file holds exactly what a store settled on its
+    own writes, cut from its segment's host arrays (quantized: a block's codes are its segment's at its positions)."""
+    base = [mx.random.normal((1, 2, 48, 32), key=mx.random.key(i)) for i in range(2 * LAYERS)]
+    rows = [list(range(100, 140)), list(range(100, 116)) + list(range(300, 330))]  # two blocks shared
+
+    def slicer(a: int, b: int) -> list[mx.array | None]:
+        return [x[..., a:b, :] for x in base]
+
+    caches = {}
+    for name in ("together", "alone"):
+        caches[name] = PrefixCache(PrefixConfig(block_tokens=BLOCK, disk_kv_bits=bits),
+                                   DiskTier(tmp_path / name, 1 << 30))
+    together, alone = caches["together"], caches["alone"]
+    with together.storing():
+        for tokens in rows:
+            together.store(NS, tokens, slicer, tail=True, windows=FULL)
+        assert together.match(NS, rows[1] + [1], FULL).tokens == 46  # hot before the settle
+    for tokens in rows:
+        alone.store(NS, tokens, slicer, tail=True, windows=FULL)
+    assert together.stats.stored_blocks == alone.stats.stored_blocks == 5 + 3
+    for cache in (together, alone):
+        assert cache.disk is not None
+        cache.disk.flush()
+    assert together.disk is not None and alone.disk is not None
+    assert set(together.disk.index) == set(alone.disk.index) and len(alone.disk.index) == 8
+    for key in alone.disk.index:
+        mine, theirs = together.disk.read(key), alone.disk.read(key)
+        assert mine is not None and theirs is not None and mine.dtype == theirs.dtype
+        assert len(mine.arrays) == len(theirs.arrays) == 2 * LAYERS * (3 if bits else 1)
+        assert all(np.array_equal(a, b) for a, b in zip(mine.arrays, theirs.arrays))
+    hit = together.match(NS, rows[0] + [1], FULL)
+    built = together.build(hit)
+    assert all(mx.array_equal(c.keys, base[2 * i][..., :40, :]).item() for i, c in enumerate(built))
+    for cache in (together, alone):
+        assert cache.disk is not None
+        cache.disk.close()
+
+
 @pytest.mark.parametrize("damage", ["header size", "unknown dtype", "negative offset", "past the end", "shape"])
 def test_a_block_file_that_does_not_parse_is_refused(damage: str) -> None:
     """A file passes its checksum only if it was written whole; a header that lies is refused anyway."""
