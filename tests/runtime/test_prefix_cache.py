@@ -678,6 +678,11 @@ def test_blocks_stored_together_are_rebuilt_from_one_slice_per_layer() -> None:
     assert first is not None and second is not None and first is not second
     assert [b.segment for b in hit.blocks] == [first] * 3 + [second] * 3 + [None]
     assert [p.shape[2] for p in _pieces(hit.blocks, 0)] == [24, 24, 2]
+    # A block of a segment still reads as its own positions (views made when read), and counts its own bytes.
+    fifth = hit.blocks[4]
+    assert fifth.arrays is not None and len(fifth.arrays) == 2 * LAYERS and fifth.nbytes == 2 * LAYERS * BLOCK * 2 * 4
+    assert all(mx.array_equal(a, positions(50)[i][..., 32:40, :]).item() for i, a in enumerate(fifth.arrays))
+    assert fifth.arrays[-1] is fifth.arrays[2 * LAYERS - 1] and len(fifth.arrays[1:3]) == 2
     # A match that starts past a segment's first block (a sliding window's) reads its slice from there.
     assert [p.shape[2] for p in _pieces(hit.blocks[1:5], 1)] == [16, 16]
     built = cache.build(hit)
