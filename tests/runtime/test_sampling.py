@@ -8,7 +8,6 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-import runtime.sampling as sampling
 from protocols.ir import SamplingParams
 from runtime.sampling import SequenceSampler, sample_batch
 
@@ -28,7 +27,7 @@ def test_float32_greedy_rows_skip_the_log_softmax_and_keep_mlx_lms_tokens(monkey
     def refuse(*args: Any, **kwargs: Any) -> mx.array:
         raise AssertionError("the log-softmax was computed for greedy float32 rows")
 
-    monkeypatch.setattr(sampling.mx, "logsumexp", refuse)
+    monkeypatch.setattr(mx, "logsumexp", refuse)  # the module sampling uses
     for logits, tokens in zip(rows, want):
         sample = sample_batch(logits, [GREEDY] * logits.shape[0], [None] * logits.shape[0])
         assert sample.report is None and sample.tokens.dtype == mx.uint32
