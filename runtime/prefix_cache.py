@@ -81,7 +81,10 @@ cannot be cut into position blocks: for them :func:`layer_windows` says why, the
 and the model's stats say so.
 
 Segments: the blocks one :meth:`store` adds are copied out of the sequence's cache together, one contiguous
-array per layer's keys and values (a :class:`Segment`), and each block's arrays are views into it. A match that
+array per layer's keys and values (a :class:`Segment`), and each block's arrays are views into it, made when first
+read. A store's copies (and the disk tier's forms of its blocks, cut from the segment's host arrays) are evaluated
+in one wait for the device; a prefilled group's rows and a step's finished answers are stored inside
+:meth:`PrefixCache.storing` and settle together, one wait for all of them. A match that
 spans blocks stored together is then built from one slice per layer instead of one piece per block: MLX's
 concatenate costs 10–20 µs per input, and a 16k-token prefix of a 30-layer model is 60,000 block pieces (over
 a second before its first token). The bytes of a segment's blocks that left memory still count as hot while the

@@ -1,4 +1,5 @@
-"""How long the prefix cache takes to rebuild a sequence's KV cache from a hit, by prefix length.
+"""How long the prefix cache takes to store a prefilled sequence's blocks, and to rebuild its KV cache from a hit,
+by prefix length.
 
 Run (OpenBLAS preloaded first, as the test script does)::
 
@@ -8,8 +9,10 @@ Run (OpenBLAS preloaded first, as the test script does)::
 For each length: one sequence's keys and values (random, float32, the given geometry; SmolLM2-135M's by
 default) are stored in a fresh :class:`~runtime.prefix_cache.PrefixCache` as a prefill would store them, then
 the longest hit is matched and built, ``--repeats`` times (best kept). With ``--disk`` the cache has a disk tier
-and is restarted first, so the hit's blocks are read back from files, as after a restart. The time is what a
-request with that hit waits before its first prefill chunk can start. No model and no server: the cache alone.
+and is restarted first, so the hit's blocks are read back from files, as after a restart. The build's time is what
+a request with that hit waits before its first prefill chunk can start; the store's (into a fresh cache, with
+``--disk`` its blocks' writes queued for the disk tier) is what the device thread spends after a prefill to keep
+its blocks. No model and no server: the cache alone.
 """
 
 from __future__ import annotations
@@ -27,19 +30,30 @@ from runtime.kv_disk import DiskTier
 from runtime.prefix_cache import PrefixCache, PrefixConfig, namespace_of
 
 
-def build_seconds(tokens: int, layers: int, heads: int, dim: int, block: int, repeats: int, disk: Path | None
-                  ) -> float:
+def store_and_build_seconds(tokens: int, layers: int, heads: int, dim: int, block: int, repeats: int,
+                            disk: Path | None) -> tuple[float, float]:
     kv = [mx.random.normal((1, heads, tokens, dim)) for _ in range(2 * layers)]
     mx.eval(kv)
     windows = (None,) * layers
     namespace, prompt = namespace_of("bench"), list(range(tokens))
 
-    def cache() -> PrefixCache:
+    def cache(directory: Path | None = disk) -> PrefixCache:
         return PrefixCache(PrefixConfig(block_tokens=block, hot_bytes=16 << 30),
-                           DiskTier(disk, 16 << 30) if disk is not None else None)
+                           DiskTier(directory, 16 << 30) if directory is not None else None)
 
+    def slicer(a: int, b: int) -> list[mx.array | None]:
+        return [x[..., a:b, :] for x in kv]
+
+    store = float("inf")
+    for i in range(repeats):  # each into a fresh cache (with its own disk tier): every block is new
+        fresh = cache(disk / f"store-{i}" if disk is not None else None)
+        started = time.perf_counter()
+        fresh.store(namespace, prompt, slicer, windows=windows)
+        store = min(store, time.perf_counter() - started)
+        if fresh.disk is not None:
+            fresh.disk.close()
     stored = cache()
-    stored.store(namespace, prompt, lambda a, b: [x[..., a:b, :] for x in kv], windows=windows)
+    stored.store(namespace, prompt, slicer, windows=windows)
     best = float("inf")
     for _ in range(repeats):
         if disk is not None:
@@ -54,7 +68,7 @@ def build_seconds(tokens: int, layers: int, heads: int, dim: int, block: int, re
         assert mx.array_equal(built[-1].values, kv[-1]).item(), "the rebuilt cache differs from what was stored"
     if stored.disk is not None:
         stored.disk.close()
-    return best
+    return store, best
 
 
 def main() -> None:
@@ -69,14 +83,16 @@ def main() -> None:
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args()
     result: dict[str, Any] = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                              "block_tokens": args.block_tokens, "disk": args.disk, "build_ms": {}}
+                              "block_tokens": args.block_tokens, "disk": args.disk, "store_ms": {}, "build_ms": {}}
     for tokens in (int(n) for n in args.lengths.split(",")):
         with tempfile.TemporaryDirectory(prefix="flow-bench-build-") as tmp:
-            seconds = build_seconds(tokens, args.layers, args.kv_heads, args.head_dim, args.block_tokens,
-                                    args.repeats, Path(tmp) if args.disk else None)
-        result["build_ms"][tokens] = round(seconds * 1000, 1)
+            store, build = store_and_build_seconds(tokens, args.layers, args.kv_heads, args.head_dim,
+                                                   args.block_tokens, args.repeats, Path(tmp) if args.disk else None)
+        result["store_ms"][tokens] = round(store * 1000, 1)
+        result["build_ms"][tokens] = round(build * 1000, 1)
         print(f"{tokens:>6} tokens ({tokens // args.block_tokens} blocks, {args.layers} layers"
-              f"{', read back from disk' if args.disk else ''}): build {seconds * 1000:.1f} ms", flush=True)
+              f"{', disk tier' if args.disk else ''}): store {store * 1000:.1f} ms, build {build * 1000:.1f} ms"
+              f"{' (read back from disk)' if args.disk else ''}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 
