@@ -994,7 +994,8 @@ class PrefixCache:
                         [a for form in forms.values() for a in form.lazy])
             except BaseException:
                 with self._lock:
-                    for block in added:
+                    for block in added:  # every member of their segments is here: no survivor to copy out
+                        block.segment = None
                         self._forget(block)
                 raise
             for block in writes:

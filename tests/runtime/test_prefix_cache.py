@@ -776,6 +776,30 @@ def test_rows_stored_together_write_what_each_store_alone_would(tmp_path: Path, 
         cache.disk.close()
 
 
+def test_a_settle_that_fails_leaves_no_block_behind(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Should the one evaluation of a group's stores fail (the device ran out of memory), its blocks leave the
+    cache, the failure is logged, and nothing is raised: the sequences go on without their blocks stored."""
+    cache = PrefixCache(PrefixConfig(block_tokens=BLOCK))
+
+    def failing(*arrays: Any) -> None:
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mx, "eval", failing)
+        with cache.storing():
+            store(cache, list(range(100, 124)))
+            early = cache.match(NS, list(range(100, 125)), FULL)
+            assert early.tokens == 24  # hot until the settle
+    assert "could not store blocks" in caplog.text
+    assert cache.hot_bytes == 0 and not cache._blocks
+    cache.release(early)
+    store(cache, list(range(100, 124)))  # the next store goes in whole
+    again = cache.match(NS, list(range(100, 125)), FULL)
+    assert again.tokens == 24 and cache.referenced() == 3
+    cache.release(again)
+    assert cache.referenced() == 0
+
+
 @pytest.mark.parametrize("damage", ["header size", "unknown dtype", "negative offset", "past the end", "shape"])
 def test_a_block_file_that_does_not_parse_is_refused(damage: str) -> None:
     """A file passes its checksum only if it was written whole; a header that lies is refused anyway."""
