@@ -22,6 +22,7 @@ to hand between tasks.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, Union
 
@@ -34,6 +35,11 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 # What ``chat.prepare`` does with a conversation longer than the context: refuse it (a
 # ``context_length_exceeded`` error), or leave out its oldest turns after the system prompt.
 ContextOverflow = Literal["error", "drop_oldest"]
+
+
+def new_request_id() -> str:
+    """A request's id (24 hex digits): in logs, error messages and the ids of what it stores, so unguessable."""
+    return secrets.token_hex(12)
 
 
 @dataclass(frozen=True)

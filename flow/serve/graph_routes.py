@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import uuid
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import replace
@@ -41,7 +40,7 @@ from flow.serve.hypercorn_fixes import DirectWriter, direct_writer
 from flow.serve.live import NoRoute
 from flow.serve.server import Answer, FlowServer
 from protocols.errors import ApiError
-from protocols.ir import HttpRequest, WireFrame
+from protocols.ir import HttpRequest, WireFrame, new_request_id
 from protocols.sse import dumps
 
 log = logging.getLogger("flow.serve.graph_routes")
@@ -147,7 +146,7 @@ class GraphRoutes:
         except _ClientGone:
             pass
         except Exception as exc:
-            request_id = uuid.uuid4().hex[:24]
+            request_id = new_request_id()
             log.error("request %s (%s %s) failed", request_id, scope["method"], scope["path"], exc_info=exc)
             if not reply.started:
                 await reply.frame(self.server.error_response(scope["path"], ApiError(
@@ -183,7 +182,7 @@ class GraphRoutes:
             await reply.frame(http_refusal(server, refused.code, method, path))
             return
         http = HttpRequest(method=method, path=path, query=scope["query_string"].decode("latin-1"),
-                           headers=tuple(raw_headers), body=body, request_id=uuid.uuid4().hex[:24],
+                           headers=tuple(raw_headers), body=body, request_id=new_request_id(),
                            params=tuple(match.params.items()))
         async with trio.open_nursery() as watching:
             watching.start_soon(_cancel_when_gone, receive, watching.cancel_scope)

@@ -15,7 +15,6 @@ ASGI app in front, before the body is read.
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from quart import Response, has_request_context, request, websocket
@@ -30,7 +29,7 @@ from flow.serve.stats_feed import FeedLimit, parse_interval
 from flow.serve.stats_feed import stats_events as stats_feed
 from flow.serve.websocket import WS_METHOD, ResponsesSocket
 from protocols.errors import ApiError
-from protocols.ir import WireFrame
+from protocols.ir import WireFrame, new_request_id
 from protocols.sse import dumps
 
 log = logging.getLogger("flow.serve.http")
@@ -126,7 +125,7 @@ def create_app(server: FlowServer) -> QuartTrio:
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
-        request_id = uuid.uuid4().hex[:24]
+        request_id = new_request_id()
         log.error("unexpected error %s", request_id, exc_info=exc)
         error = ApiError("internal", f"Internal server error (request id {request_id}); the server log has "
                          "the details.")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ import trio
 
 from flow.serve.exit import ChannelExit
 from flow.serve.live import NoRoute
-from protocols.ir import HttpRequest, WireFrame
+from protocols.ir import HttpRequest, WireFrame, new_request_id
 from protocols.sse import dumps
 
 if TYPE_CHECKING:
@@ -129,7 +128,7 @@ class ResponsesSocket:
                                         stream_id))
             return
         http = HttpRequest(method="POST", path=self.path, query=self.query, headers=tuple(self.headers),
-                           body=json.dumps(body).encode(), request_id=uuid.uuid4().hex[:24],
+                           body=json.dumps(body).encode(), request_id=new_request_id(),
                            params=tuple(match.params.items()))
         send, receive = trio.open_memory_channel[WireFrame](64)
         scope = trio.CancelScope()
