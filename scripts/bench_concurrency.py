@@ -5,7 +5,7 @@ Run (OpenBLAS preloaded first, as the test script does)::
     eval "$(.venv/bin/python -m flow.cli.blas)"
     .venv/bin/python scripts/bench_concurrency.py --model tiny:bench-80m --json bench-80m.json
 
-One run, one model, one load generator, up to four systems one after the other:
+One run, one model, one load generator, up to five systems one after the other:
 
 1. **flow**: ``flow serve`` in a subprocess, a graph that extends
    ``graphs/default.toml`` with the engine settings given here;
@@ -14,7 +14,10 @@ One run, one model, one load generator, up to four systems one after the other:
 3. **vllm-mlx**: ``vllm-mlx serve DIR --continuous-batching --use-paged-cache``
    in a subprocess, from its own environment (``--vllm-mlx PATH``; it inherits
    this one's, ``LD_PRELOAD`` included, as ``mlx_lm.server`` does);
-4. **raw**: ``mlx_lm.batch_generate`` on the same chat-templated prompts in a
+4. **engine**: flow's engine alone (its device thread, the server's engine
+   defaults and ``--max-batch``) on the same chat-templated prompts in a
+   subprocess, no server and no HTTP: what of the gap to raw is the engine's;
+5. **raw**: ``mlx_lm.batch_generate`` on the same chat-templated prompts in a
    subprocess, no HTTP at all: the ceiling, with flow's ``--max-batch`` as its
    completion batch size (the same batch size; mlx-lm's default is 32).
 
@@ -65,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 from flow.cli.bench import report  # noqa: E402
 from scripts.pipeline_load import cpu_seconds  # noqa: E402
 
-SYSTEMS = ("flow", "mlx_lm.server", "vllm-mlx", "raw")
+SYSTEMS = ("flow", "mlx_lm.server", "vllm-mlx", "engine", "raw")
 VLLM_MLX = Path("/tmp/vllm-venv/bin/vllm-mlx")  # --vllm-mlx's default, where it is installed
 
 
@@ -468,42 +471,85 @@ def bench_server(name: str, proc: subprocess.Popen[bytes], url: str, model: str,
             proc.wait()
 
 
-# --------------------------------------------------------------------------- raw batch_generate
+# --------------------------------------------------------------------------- in process: raw, flow's engine
 
-def raw_worker(model_dir: str, levels: list[int], max_tokens: int, max_batch: int) -> dict[str, Any]:
-    """Runs in a subprocess: ``mlx_lm.batch_generate`` on the chat-templated prompts, at most ``max_batch`` rows
-    decoding at once as flow's engine (mlx-lm's own default is 32: a level of 64 would run as two waves of 32)."""
-    from mlx_lm import batch_generate
+def in_process_levels(name: str, model_dir: str, levels: list[int], max_tokens: int, max_batch: int,
+                      ) -> dict[str, Any]:
+    """Runs in a subprocess, no HTTP: the chat-templated prompts of each level generated at once, at most
+    ``max_batch`` rows decoding (mlx-lm's own default is 32: a level of 64 runs as two waves of 32) — by
+    ``mlx_lm.batch_generate`` (``raw``: the ceiling) or by flow's engine on its device thread (``engine``: flow without
+    its serving path, so the gap from raw to flow splits into the engine's part and the server's)."""
     from mlx_lm.utils import load
 
-    model, tokenizer = load(model_dir)[:2]
+    generate: Callable[[list[list[int]], int], int]
+    if name == "raw":
+        from mlx_lm import batch_generate
+
+        model, tokenizer = load(model_dir)[:2]
+
+        def generate(prompts: list[list[int]], tokens: int) -> int:
+            response = batch_generate(model, tokenizer, prompts, max_tokens=tokens, return_token_ids=True,
+                                      completion_batch_size=max_batch)
+            return sum(len(t) for t in (response.token_ids or []))
+    else:
+        generate, tokenizer = engine_generator(model_dir, max_batch)
 
     def prompts(n: int, first: int = 0) -> list[list[int]]:
         return [list(tokenizer.apply_chat_template(  # type: ignore[no-untyped-call]
             chat_messages(prompt_text(first + i)), add_generation_prompt=True)) for i in range(n)]
 
-    batch_generate(model, tokenizer, prompts(2), max_tokens=8)  # warm-up
+    generate(prompts(2), 8)  # warm-up
     out: dict[str, Any] = {}
     for position, level in enumerate(levels):
         p = prompts(level, first_prompt(position))
         start, cpu = time.perf_counter(), own_cpu_s()
-        response = batch_generate(model, tokenizer, p, max_tokens=max_tokens, return_token_ids=True,
-                                  completion_batch_size=max_batch)
+        tokens = generate(p, max_tokens)
         wall, cpu = time.perf_counter() - start, own_cpu_s() - cpu
-        tokens = sum(len(t) for t in (response.token_ids or []))
         out[str(level)] = {"requests": level, "failed": 0, "completion_tokens": tokens,
                            "tokens_per_request": round(tokens / level, 1), "wall_s": round(wall, 2),
-                           "aggregate_tps": round(tokens / wall, 1),
-                           "prompt_tokens": sum(len(x) for x in p),
-                           "generation_tps": round(response.stats.generation_tps, 1)}
+                           "aggregate_tps": round(tokens / wall, 1), "prompt_tokens": sum(len(x) for x in p)}
         cpu_figures(out[str(level)], {"server": cpu})
-        print(f"{'raw':>14} c={level:<3} {out[str(level)]['aggregate_tps']:>7} tok/s", file=sys.stderr)
+        print(f"{name:>14} c={level:<3} {out[str(level)]['aggregate_tps']:>7} tok/s", file=sys.stderr)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"levels": out, "peak_rss_mb": round(peak, 1)}
 
 
-def bench_raw(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--raw-worker", str(model_dir), "--max-tokens", str(args.max_tokens),
+def engine_generator(model_dir: str, max_batch: int) -> tuple[Callable[[list[list[int]], int], int], Any]:
+    """Flow's engine with the server's defaults but no server: each level's prompts submitted at once from one trio
+    run, greedy, no stop tokens (as raw), their chunks read as they come."""
+    import trio
+    from mlx_lm.utils import load
+
+    from protocols.ir import SamplingParams
+    from runtime.device import DeviceThread
+    from runtime.engine import Engine
+    from runtime.engine_config import EngineConfig
+
+    device = DeviceThread("bench-engine")
+    device.start()
+    model, tokenizer = device.call(lambda: load(model_dir)[:2])
+    engine = Engine(model, device, EngineConfig(max_batch=max_batch))
+
+    def generate(prompts: list[list[int]], tokens: int) -> int:
+        counted = [0]
+
+        async def one(prompt: list[int]) -> None:
+            handle = engine.submit(prompt, max_tokens=tokens, stop_ids=frozenset(), sampling=SamplingParams())
+            async with handle:
+                async for chunk in handle.chunks:
+                    counted[0] += len(chunk.token_ids)
+
+        async def level() -> None:
+            async with trio.open_nursery() as nursery:
+                for prompt in prompts:
+                    nursery.start_soon(one, prompt)
+        trio.run(level)
+        return counted[0]
+    return generate, tokenizer
+
+
+def bench_in_process(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--in-process", name, str(model_dir), "--max-tokens", str(args.max_tokens),
            "--levels", ",".join(str(x) for x in args.levels), "--system-words", str(args.system_words),
            "--max-batch", str(args.max_batch)]
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, check=True)
@@ -566,7 +612,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{row.get('itl_ms_p50', '–')} / {row.get('itl_ms_p99', '–')} | {row.get('longest_gap_ms_p50', '–')} | "
                 f"{row.get('last_gap_ms_p50', '–')} | {row.get('failed', '–')} | "
                 f"{row.get('tokens_per_request', '–')} |")
-    lines += ["", "Where the CPU went (the machine's cores are shared by the server and the load generator; raw has no "
+    lines += ["", "Where the CPU went (the machine's cores are shared by the server and the load generator; engine and raw have no "
               "client):", "", "| concurrency | system | server CPU µs/token | client CPU µs/token | cores busy |",
               "|---|---|---|---|---|"]
     for level in result["levels"]:
@@ -614,14 +660,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-words", type=int, default=0,
                         help="every request carries the same system prompt of about this many words (an agent's "
                              "rules: the servers' prefix caches hold it after the warm-up); default none")
-    parser.add_argument("--raw-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--in-process", nargs=2, metavar=("SYSTEM", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",") if x]
     CLIENT[0] = args.client
     if args.system_words:
         SHARED_SYSTEM.append(shared_system(args.system_words))
-    if args.raw_worker:
-        print(json.dumps(raw_worker(args.raw_worker, args.levels, args.max_tokens, args.max_batch)))
+    if args.in_process:
+        system, directory = args.in_process
+        print(json.dumps(in_process_levels(system, directory, args.levels, args.max_tokens, args.max_batch)))
         return 0
 
     from flow.cli import blas
@@ -663,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
                     start, model = SERVERS[system]
                     runs[system].append(bench_server(system, start(model_dir, port, args, tmp), url, model, args))
                 else:
-                    runs[system].append(bench_raw(model_dir, args))
+                    runs[system].append(bench_in_process(system, model_dir, args))
     result["load_average_after"] = os.getloadavg()
     result["rounds"] = args.rounds
     result["systems"] = {system: combine(r) for system, r in runs.items()}

@@ -8,7 +8,7 @@
 #
 # Steps, each under its own time limit (a step that fails or runs out of time is reported, the rest still run):
 #   1. flow bench: single-stream decode, raw mlx-lm against the server;
-#   2. scripts/bench_concurrency.py at 1/8/32/64 streams: flow, mlx_lm.server, raw batch_generate;
+#   2. scripts/bench_concurrency.py at 1/8/32/64 streams: flow, mlx_lm.server, flow's engine alone, raw batch_generate;
 #   3. scripts/bench_pipeline.py: flow's own CPU per token (generate.echo, every chat protocol): the host's
 #      figure beside the device's;
 #   4. scripts/bench_prefix.py: an agent's conversation with and without the prefix cache.
@@ -42,7 +42,7 @@ if [ "$QUICK" = 1 ]; then
   LIMITS=(120 240 240 240)
 else
   BENCH=(--max-tokens 128 --rounds 3)
-  CONCURRENCY=(--levels 1,8,32,64 --max-tokens 64 --systems flow,mlx_lm.server,raw)
+  CONCURRENCY=(--levels 1,8,32,64 --max-tokens 64 --systems flow,mlx_lm.server,engine,raw)
   PIPELINE=(--levels 1,8,64,256 --min-tokens 10000)
   PREFIX=(--turns 6)
   LIMITS=(75 150 135 100)  # seconds: 7.7 minutes at most, with the servers' starts
