@@ -41,40 +41,56 @@ class _Tokenized:
     cuts: tuple[tuple[int, int], ...]  # (character offset, token index) of each special token, in order
 
 
+class _Check:
+    """A shortcut's first :data:`VERIFIED` texts checked against ``tokenizer.encode``'s ids of the whole text."""
+
+    def __init__(self, meaning: str) -> None:
+        self.meaning = meaning  # what a difference means for the tokenizer (logged)
+        self.passed = 0
+
+    def differs(self, tokenizer: Any, text: str, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        """``encode``'s ids of ``text`` where they differ from ``ids`` (logged), else None; no check once
+        :data:`VERIFIED` texts agreed."""
+        if self.passed >= VERIFIED:
+            return None
+        whole = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if whole == ids:
+            self.passed += 1
+            return None
+        log.warning("tokenizer %s: %s", type(tokenizer).__name__, self.meaning)
+        return whole
+
+
 class _State:
     def __init__(self, specials: dict[int, str], rust: Any) -> None:
         self.specials = specials  # id → text of the special tokens that split the text (none: no reuse)
         self.recent: OrderedDict[str, _Tokenized] = OrderedDict()
-        self.verified = 0
         self.off = not specials
+        self.reuse_check = _Check("a prompt tokenized in two parts differs from it tokenized whole; prompts are "
+                                  "tokenized whole from now on")
         self.rust = rust  # the fast tokenizer's tokenizers.Tokenizer (None: tokenizer.encode)
-        self.rust_verified = 0
+        self.rust_check = _Check("its Rust tokenizer's ids differ from encode()'s; prompts go through encode() "
+                                 "from now on")
+
+    @property
+    def verified(self) -> int:
+        return self.reuse_check.passed
+
+    @property
+    def rust_verified(self) -> int:
+        return self.rust_check.passed
 
 
 def _ids(state: _State | None, tokenizer: Any, text: str) -> tuple[int, ...]:
     """``tokenizer.encode(text, add_special_tokens=False)``, from its Rust tokenizer where it has one."""
-    rust = state.rust if state is not None else None
-    if rust is None:
+    if state is None or state.rust is None:
         return tuple(tokenizer.encode(text, add_special_tokens=False))
-    ids = tuple(rust.encode(text, add_special_tokens=False).ids)
-    if state is not None and state.rust_verified < VERIFIED:
-        whole = _differing(tokenizer, text, ids, "its Rust tokenizer's ids differ from encode()'s; prompts go "
-                                                 "through encode() from now on")
-        if whole is not None:
-            state.rust = None
-            return whole
-        state.rust_verified += 1
+    ids = tuple(state.rust.encode(text, add_special_tokens=False).ids)
+    whole = state.rust_check.differs(tokenizer, text, ids)
+    if whole is not None:
+        state.rust = None
+        return whole
     return ids
-
-
-def _differing(tokenizer: Any, text: str, ids: tuple[int, ...], meaning: str) -> tuple[int, ...] | None:
-    """``tokenizer.encode``'s ids of the whole ``text`` where they differ from ``ids`` (logged, with what that
-    means for the tokenizer), else None."""
-    whole = tuple(tokenizer.encode(text, add_special_tokens=False))
-    if whole == ids:
-        return None
-    log.warning("tokenizer %s: %s", type(tokenizer).__name__, meaning)
-    return whole
 
 
 def _rust_tokenizer(tokenizer: Any) -> Any:
@@ -121,13 +137,10 @@ class PromptTokens:
             rest = _ids(state, tokenizer, text[offset:])
             ids = tuple(base.ids[:index]) + rest
             self.tokenized_chars += len(text) - offset
-            if state.verified < VERIFIED:
-                whole = _differing(tokenizer, text, ids, "a prompt tokenized in two parts differs from it tokenized "
-                                                         "whole; prompts are tokenized whole from now on")
-                if whole is not None:
-                    state.off = True
-                    return whole
-                state.verified += 1
+            whole = state.reuse_check.differs(tokenizer, text, ids)
+            if whole is not None:
+                state.off = True
+                return whole
             self.reused_tokens += index
             later = _cuts(text[offset:], rest, state.specials)  # the shared part's are known
             cuts = None if later is None else (*(c for c in base.cuts if c[1] < index),
